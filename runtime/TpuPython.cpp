@@ -1,0 +1,164 @@
+// The extension module torch_tpu._C: the fast accessors kernels use to read a tensor's device array,
+// wrap a new array as a tpu tensor and swap a storage's array, plus device, generator and fallback
+// controls for the Python front.
+#include "TpuGenerator.h"
+#include "TpuRuntime.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/TensorImpl.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Generator.h>
+#include <torch/csrc/Storage.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace torch_tpu {
+
+Callbacks& callbacks() {
+  static Callbacks cb;
+  return cb;
+}
+
+namespace {
+
+std::vector<int64_t> shape_of(PyObject* array) {
+  PyObject* shp = PyObject_GetAttrString(array, "shape");
+  if (shp == nullptr) throw py::error_already_set();
+  Py_ssize_t n = PyTuple_Size(shp);
+  std::vector<int64_t> shape(n);
+  for (Py_ssize_t i = 0; i < n; ++i) shape[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shp, i));
+  Py_DECREF(shp);
+  return shape;
+}
+
+c10::ScalarType scalar_type_of(PyObject* dtype) {
+  if (!THPDtype_Check(dtype)) throw py::type_error("torch_tpu._C: expected a torch.dtype");
+  return reinterpret_cast<THPDtype*>(dtype)->scalar_type;
+}
+
+const at::Tensor& tensor_arg(PyObject* obj) {
+  if (!THPVariable_Check(obj)) throw py::type_error("torch_tpu._C: expected a tensor");
+  return THPVariable_Unpack(obj);
+}
+
+// _array(t): the storage's array when `t` views all of it exactly as produced (same dtype and shape,
+// contiguous, offset 0), else None. This is the fast path every kernel tries first.
+PyObject* py_array(PyObject* /*self*/, PyObject* obj) {
+  HANDLE_TH_ERRORS
+  const at::Tensor& t = tensor_arg(obj);
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (impl->device_type() != kTpu || impl->storage_offset() != 0) Py_RETURN_NONE;
+  TpuBuffer* buf = buffer_of(impl->unsafe_storage());
+  if (buf->array == nullptr || buf->array_dtype != impl->dtype().toScalarType()) Py_RETURN_NONE;
+  auto sizes = impl->sizes();
+  if (!sizes.equals(buf->array_shape) || !impl->is_contiguous()) Py_RETURN_NONE;
+  Py_INCREF(buf->array);
+  return buf->array;
+  END_HANDLE_TH_ERRORS
+}
+
+// _wrap(array, dtype, device_index): a new contiguous tpu tensor whose new storage owns `array`.
+PyObject* py_wrap(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *array, *dtype;
+  int device;
+  if (!PyArg_ParseTuple(args, "OOi", &array, &dtype, &device)) return nullptr;
+  c10::ScalarType st = scalar_type_of(dtype);
+  std::vector<int64_t> shape = shape_of(array);
+  int64_t numel = 1;
+  for (int64_t s : shape) numel *= s;
+  size_t nbytes = static_cast<size_t>(numel) * c10::elementSize(st);
+  c10::Storage storage = make_storage(array, st, shape, nbytes, static_cast<c10::DeviceIndex>(device));
+  auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage),
+                                                    c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                                    c10::scalarTypeToTypeMeta(st));
+  t.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
+  return THPVariable_Wrap(std::move(t));
+  END_HANDLE_TH_ERRORS
+}
+
+c10::Storage storage_arg(PyObject* obj) {
+  if (THPVariable_Check(obj)) return THPVariable_Unpack(obj).storage();
+  if (THPStorage_Check(obj)) return THPStorage_Unpack(obj);
+  throw py::type_error("torch_tpu._C: expected a tensor or an UntypedStorage");
+}
+
+// _set_array(tensor_or_storage, array, dtype): the storage now holds `array` (same byte size).
+PyObject* py_set_array(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *obj, *array, *dtype;
+  if (!PyArg_ParseTuple(args, "OOO", &obj, &array, &dtype)) return nullptr;
+  c10::Storage storage = storage_arg(obj);
+  TpuBuffer* buf = buffer_of(storage);
+  c10::ScalarType st = scalar_type_of(dtype);
+  std::vector<int64_t> shape = shape_of(array);
+  int64_t numel = 1;
+  for (int64_t s : shape) numel *= s;
+  size_t nbytes = static_cast<size_t>(numel) * c10::elementSize(st);
+  TORCH_CHECK(nbytes == buf->nbytes, "torch_tpu: internal error: writing an array of ", nbytes,
+              " bytes into a storage of ", buf->nbytes, " bytes");
+  set_buffer_array(buf, array, st, std::move(shape));
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// _storage_array(tensor_or_storage) -> (array or None, nbytes, device_index)
+PyObject* py_storage_array(PyObject* /*self*/, PyObject* obj) {
+  HANDLE_TH_ERRORS
+  c10::Storage storage = storage_arg(obj);
+  TpuBuffer* buf = buffer_of(storage);
+  PyObject* arr = buf->array ? buf->array : Py_None;
+  return Py_BuildValue("(Oni)", arr, static_cast<Py_ssize_t>(buf->nbytes), static_cast<int>(buf->device));
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef kFastMethods[] = {
+    {"_array", py_array, METH_O, "the storage's array if the tensor views it whole, else None"},
+    {"_wrap", py_wrap, METH_VARARGS, "wrap a device array as a new tpu tensor"},
+    {"_set_array", py_set_array, METH_VARARGS, "replace a storage's device array"},
+    {"_storage_array", py_storage_array, METH_O, "(array or None, nbytes, device) of a storage"},
+    {nullptr, nullptr, 0, nullptr}};
+
+TpuGeneratorImpl* generator_arg(py::handle gen) {
+  TORCH_CHECK(THPGenerator_Check(gen.ptr()), "torch_tpu: expected a torch.Generator");
+  at::Generator& g = reinterpret_cast<THPGenerator*>(gen.ptr())->cdata;
+  TORCH_CHECK(g.device().type() == kTpu, "torch_tpu: expected a tpu generator, got one for ", g.device());
+  return g.get<TpuGeneratorImpl>();
+}
+
+}  // namespace
+}  // namespace torch_tpu
+
+PYBIND11_MODULE(_C, m) {
+  using namespace torch_tpu;
+  m.doc() = "torch_tpu C++ runtime: allocator, device guard, hooks, generator, metadata kernels";
+  for (PyMethodDef* d = kFastMethods; d->ml_name != nullptr; ++d) {
+    PyObject* f = PyCFunction_NewEx(d, nullptr, m.ptr());
+    if (f == nullptr) throw py::error_already_set();
+    m.add_object(d->ml_name, py::reinterpret_steal<py::object>(f));
+  }
+  m.def("_set_callbacks", [](py::object start_runtime, py::object resize_array) {
+    Callbacks& cb = callbacks();
+    Py_XDECREF(cb.start_runtime);
+    Py_XDECREF(cb.resize_array);
+    cb.start_runtime = start_runtime.release().ptr();
+    cb.resize_array = resize_array.release().ptr();
+  });
+  m.def("_device_count", []() { return static_cast<int>(device_count()); });
+  m.def("_runtime_started", &runtime_started);
+  m.def("_current_device", []() { return static_cast<int>(current_device()); });
+  m.def("_set_device", [](int index) { set_current_device(static_cast<c10::DeviceIndex>(index)); });
+  m.def("_check_device", [](int index) { check_device_index(static_cast<c10::DeviceIndex>(index)); });
+  m.def("_default_generator", [](int index) {
+    const at::Generator& g = default_generator(static_cast<c10::DeviceIndex>(index));
+    return py::reinterpret_steal<py::object>(THPGenerator_initDefaultGenerator(g));  // new reference; cached by torch_tpu
+  });
+  m.def("_philox_step", [](py::handle gen, uint64_t increment) {
+    return generator_arg(gen)->philox_step(increment);
+  });
+  m.def("_live_buffers", &live_buffers);
+  m.def("_set_fallback_mode", [](int mode) { set_fallback_mode(static_cast<FallbackMode>(mode)); });
+  m.def("_fallback_mode", []() { return static_cast<int>(fallback_mode()); });
+  m.def("_fallback_counts", &fallback_counts);
+  m.def("_reset_fallback_counts", &reset_fallback_counts);
+}

@@ -1,0 +1,69 @@
+// Shared declarations of the torch_tpu C++ runtime (the extension torch_tpu._C).
+//
+// The storage model: a tpu storage's DataPtr context is a TpuBuffer that owns one device array (a
+// jax.Array, i.e. a PJRT buffer, held as a Python object). The data pointer is an address inside a
+// reserved, inaccessible range: unique per live storage, never dereferenced.
+#pragma once
+
+#include <Python.h>
+
+#include <c10/core/Allocator.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+#include <c10/core/Storage.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace torch_tpu {
+
+constexpr c10::DeviceType kTpu = c10::DeviceType::PrivateUse1;
+
+// ---- the device array owned by a storage (TpuAllocator.cpp) ----
+struct TpuBuffer {
+  PyObject* array = nullptr;          // owned reference; nullptr = never written (reads as zeros)
+  c10::ScalarType array_dtype = c10::ScalarType::Byte;
+  std::vector<int64_t> array_shape;  // the producer's shape, kept as made
+  size_t nbytes = 0;
+  c10::DeviceIndex device = 0;
+  void* addr = nullptr;
+};
+
+c10::Allocator* tpu_allocator();
+// The TpuBuffer behind a storage (throws if the storage is not a tpu storage).
+TpuBuffer* buffer_of(const c10::Storage& storage);
+// Replaces the array of a buffer (steals nothing: increments `array`).
+void set_buffer_array(TpuBuffer* buf, PyObject* array, c10::ScalarType dtype,
+                      std::vector<int64_t> shape);
+// A new storage that owns `array` (borrowed; a reference is taken).
+c10::Storage make_storage(PyObject* array, c10::ScalarType dtype, std::vector<int64_t> shape,
+                          size_t nbytes, c10::DeviceIndex device);
+int64_t live_buffers();
+
+// ---- devices (TpuGuard.cpp) ----
+// Number of devices. Starts the runtime (PJRT client) on first use through a Python callback.
+c10::DeviceIndex device_count();
+c10::DeviceIndex current_device();
+void set_current_device(c10::DeviceIndex index);
+void check_device_index(c10::DeviceIndex index);
+bool runtime_started();
+
+// ---- Python callbacks installed by torch_tpu at import (TpuPython.cpp) ----
+struct Callbacks {
+  PyObject* start_runtime = nullptr;  // () -> int device count
+  PyObject* resize_array = nullptr;   // (array|None, dtype, old_nbytes, new_nbytes, device) -> array
+};
+Callbacks& callbacks();
+
+// Resizes a tpu storage to `new_nbytes`, keeping its leading bytes (TpuHooks.cpp uses it).
+void resize_storage_bytes(const c10::Storage& storage, size_t new_nbytes);
+
+// ---- missing-op policy (TpuFallback.cpp) ----
+enum class FallbackMode : int { kStrict = 0, kWarn = 1 };
+void set_fallback_mode(FallbackMode mode);
+FallbackMode fallback_mode();
+std::vector<std::pair<std::string, int64_t>> fallback_counts();
+void reset_fallback_counts();
+
+}  // namespace torch_tpu
