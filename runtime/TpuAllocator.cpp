@@ -7,6 +7,8 @@
 
 #include <c10/util/Exception.h>
 #include <sys/mman.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/DynamicTypes.h>
 
 #include <atomic>
 #include <mutex>
@@ -153,8 +155,8 @@ void resize_storage_bytes(const c10::Storage& storage, size_t new_nbytes) {
   if (old->array != nullptr) {
     // The Python side pads or truncates the array; its dtype and shape come back from it.
     PyGILState_STATE st = PyGILState_Ensure();
-    PyObject* res = PyObject_CallFunction(callbacks().resize_array, "OinnI", old->array,
-                                          static_cast<int>(old->array_dtype),
+    PyObject* res = PyObject_CallFunction(callbacks().resize_array, "OOnnI", old->array,
+                                          reinterpret_cast<PyObject*>(torch::getTHPDtype(old->array_dtype)),
                                           static_cast<Py_ssize_t>(old->nbytes),
                                           static_cast<Py_ssize_t>(new_nbytes),
                                           static_cast<unsigned>(old->device));
@@ -165,9 +167,9 @@ void resize_storage_bytes(const c10::Storage& storage, size_t new_nbytes) {
       TORCH_CHECK(false, "torch_tpu: resizing a tpu storage from ", old->nbytes, " to ", new_nbytes,
                   " bytes failed (see the Python error above)");
     }
-    // res = (array, dtype:int, shape:tuple)
+    // res = (array, torch.dtype, shape tuple)
     PyObject* arr = PyTuple_GetItem(res, 0);
-    auto dtype = static_cast<c10::ScalarType>(PyLong_AsLong(PyTuple_GetItem(res, 1)));
+    auto dtype = reinterpret_cast<THPDtype*>(PyTuple_GetItem(res, 1))->scalar_type;
     PyObject* shp = PyTuple_GetItem(res, 2);
     std::vector<int64_t> shape(PyTuple_Size(shp));
     for (size_t i = 0; i < shape.size(); ++i) shape[i] = PyLong_AsLongLong(PyTuple_GetItem(shp, i));

@@ -77,7 +77,19 @@ struct TpuGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     }
   }
   bool queryStream(const c10::Stream&) const override { return true; }
-  void synchronizeStream(const c10::Stream&) const override {}
+  void synchronizeStream(const c10::Stream& s) const override { synchronizeDevice(s.device_index()); }
+  void synchronizeDevice(const c10::DeviceIndex device_index) const override {
+    if (!runtime_started() || callbacks().synchronize == nullptr) return;
+    PyGILState_STATE st = PyGILState_Ensure();
+    PyObject* res = PyObject_CallFunction(callbacks().synchronize, "i", static_cast<int>(device_index));
+    if (res == nullptr) {
+      PyErr_Print();
+      PyGILState_Release(st);
+      TORCH_CHECK(false, "torch_tpu: synchronizing tpu:", static_cast<int>(device_index), " failed");
+    }
+    Py_DECREF(res);
+    PyGILState_Release(st);
+  }
 };
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, TpuGuardImpl);

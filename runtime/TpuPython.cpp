@@ -137,12 +137,14 @@ PYBIND11_MODULE(_C, m) {
     if (f == nullptr) throw py::error_already_set();
     m.add_object(d->ml_name, py::reinterpret_steal<py::object>(f));
   }
-  m.def("_set_callbacks", [](py::object start_runtime, py::object resize_array) {
+  m.def("_set_callbacks", [](py::object start_runtime, py::object resize_array, py::object synchronize) {
     Callbacks& cb = callbacks();
     Py_XDECREF(cb.start_runtime);
     Py_XDECREF(cb.resize_array);
+    Py_XDECREF(cb.synchronize);
     cb.start_runtime = start_runtime.release().ptr();
     cb.resize_array = resize_array.release().ptr();
+    cb.synchronize = synchronize.release().ptr();
   });
   m.def("_device_count", []() { return static_cast<int>(device_count()); });
   m.def("_runtime_started", &runtime_started);

@@ -52,7 +52,8 @@ bool runtime_started();
 // ---- Python callbacks installed by torch_tpu at import (TpuPython.cpp) ----
 struct Callbacks {
   PyObject* start_runtime = nullptr;  // () -> int device count
-  PyObject* resize_array = nullptr;   // (array|None, dtype, old_nbytes, new_nbytes, device) -> array
+  PyObject* resize_array = nullptr;   // (array, dtype, old_nbytes, new_nbytes, device) -> (array, dtype, shape)
+  PyObject* synchronize = nullptr;    // (device index or -1) -> None
 };
 Callbacks& callbacks();
 

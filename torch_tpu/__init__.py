@@ -1,3 +1,46 @@
-"""placeholder"""
-def _autoload():
-    pass
+"""torch_tpu: a native PyTorch backend for Google TPUs.
+
+`import torch` loads this package through the `torch.backends` entry point (unless
+TORCH_DEVICE_BACKEND_AUTOLOAD=0). It renames PyTorch's PrivateUse1 backend to `tpu`, registers `torch.tpu`,
+the tensor/module/storage methods (`Tensor.is_tpu`, `.tpu()`, `Module.tpu()`), and the ATen kernels. The
+PJRT client (TPU, or XLA:CPU without one) starts on the first tpu use, not here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from torch_tpu import _C  # the C++ runtime: allocator, guard, hooks, generator, metadata kernels
+
+__version__ = "0.2.0"
+
+_FALLBACK_MODES = {"": 0, "0": 0, "strict": 0, "off": 0, "warn": 1, "1": 1}
+
+
+def _setup() -> None:
+    from torch_tpu import _runtime, _storage, device_module, kernels
+
+    torch.utils.rename_privateuse1_backend("tpu")
+    torch._register_device_module("tpu", device_module)
+    torch.utils.generate_methods_for_privateuse1_backend(
+        for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True
+    )
+    _C._set_callbacks(_runtime.start, _storage.resize_array, _runtime.synchronize)
+    kernels.install()
+
+    mode = os.environ.get("TORCH_TPU_CPU_FALLBACK", "").strip().lower()
+    if mode not in _FALLBACK_MODES:
+        raise RuntimeError(
+            f"TORCH_TPU_CPU_FALLBACK={mode!r} is not understood: use 'warn' to run ops without a tpu kernel "
+            "on CPU (warning once per op), or unset it for the strict default."
+        )
+    _C._set_fallback_mode(_FALLBACK_MODES[mode])
+
+
+_setup()
+
+
+def _autoload() -> None:
+    """Entry point of the `torch.backends` group: importing this package did the work."""

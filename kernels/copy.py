@@ -1,0 +1,74 @@
+"""Copies between devices and host, and reading scalars back: kernels written against torch tensors."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from torch_tpu import _runtime, _storage
+from torch_tpu._jax import jax, jnp
+from torch_tpu.kernels.registry import direct
+
+
+@functools.lru_cache(maxsize=1024)
+def _convert(shape: tuple[int, ...], dtype: Any) -> Any:
+    """Cast to `dtype` and broadcast to `shape`, as copy_ does."""
+
+    def convert(v: Any) -> Any:
+        if jnp.issubdtype(v.dtype, jnp.complexfloating) and not jnp.issubdtype(dtype, jnp.complexfloating):
+            v = jnp.real(v)  # torch discards the imaginary part (with a warning on CPU)
+        return jnp.broadcast_to(v.astype(dtype), shape)
+
+    return jax.jit(convert)
+
+
+def _value_for(dst: torch.Tensor, src: torch.Tensor) -> Any:
+    index = dst.device.index
+    if src.device.type == "tpu":
+        val = _storage.read(src)
+        if src.device.index != index:
+            val = jax.device_put(val, _runtime.device(index))
+    else:
+        val = _runtime.upload(src, index)
+    dtype = _runtime.jax_dtype(dst.dtype)
+    shape = tuple(dst.shape)
+    if val.dtype == dtype and tuple(val.shape) == shape:
+        return val
+    try:
+        torch.broadcast_shapes(tuple(src.shape), shape)
+    except RuntimeError:
+        raise RuntimeError(
+            f"The size of tensor a ({list(shape)}) must match the size of tensor b ({list(src.shape)}) "
+            f"(copy_ from {src.device} to {dst.device})"
+        ) from None
+    return _convert(shape, dtype)(val)
+
+
+@direct("copy_")
+def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    if self.device.type == "tpu":
+        _storage.write(self, _value_for(self, src))
+    elif src.device.type == "tpu":
+        # To the host (or another backend): fetch, then let that device's copy_ cast and broadcast.
+        self.copy_(_runtime.download(_storage.read(src)))
+    else:
+        raise RuntimeError(f"torch_tpu: copy_ from {src.device} to {self.device} reached the tpu backend")
+    return self
+
+
+@direct("_copy_from")
+def _copy_from(self: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    return copy_(dst, self, non_blocking)
+
+
+@direct("_copy_from_and_resize")
+def _copy_from_and_resize(self: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    dst.resize_(self.shape)
+    return copy_(dst, self)
+
+
+@direct("_local_scalar_dense")
+def _local_scalar_dense(self: torch.Tensor) -> Any:
+    return _runtime.download(_storage.read(self)).item()

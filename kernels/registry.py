@@ -1,0 +1,413 @@
+"""The one registry mapping ATen overloads to JAX functions, and the machinery that turns each entry into
+PrivateUse1 kernels. Every executor reads LOWERINGS; nothing else maps aten ops to JAX.
+
+A contributor writes one function:
+
+    @lower("add.Tensor", "add.Scalar", promote=DEFAULT, promote_args=("self", "other"))
+    def add(self, other, alpha=1):
+        return self + other * alpha
+
+Arguments arrive as the schema names them: Tensor -> device array, Scalar -> a JAX scalar (traced, so a new
+value does not recompile), everything else (int, bool, float, int[], dtype...) -> a static Python value.
+From that one definition the registry installs the functional overload, its in-place form (`add_.Tensor`)
+and its out= form (`add.out`), with PyTorch's type promotion, broadcasting checks, cast and resize rules.
+Each call runs as a cached `jax.jit` callable keyed by the static arguments; jit itself keys on shapes
+and dtypes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+from torch._prims_common.wrappers import _maybe_resize_out
+
+from torch_tpu import _C, _runtime, _storage
+from torch_tpu._jax import jax, jnp
+
+DEFAULT = ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT
+INT_TO_FLOAT = ELEMENTWISE_TYPE_PROMOTION_KIND.INT_TO_FLOAT
+ALWAYS_BOOL = ELEMENTWISE_TYPE_PROMOTION_KIND.ALWAYS_BOOL
+COMPLEX_TO_FLOAT = ELEMENTWISE_TYPE_PROMOTION_KIND.COMPLEX_TO_FLOAT
+BOOL_TO_LONG = ELEMENTWISE_TYPE_PROMOTION_KIND.BOOL_TO_LONG
+NO_OPMATH = ELEMENTWISE_TYPE_PROMOTION_KIND.NO_OPMATH
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """One ATen overload's JAX definition."""
+
+    name: str  # overload, e.g. "add.Tensor"
+    fn: Callable[..., Any]
+    # PyTorch's promotion kind, or a function of the static arguments returning one (or None).
+    promote: Any
+    promote_args: tuple[str, ...]
+    jit: bool  # False for data-dependent output shapes (run eagerly on concrete arrays)
+    variants: bool  # also install the in-place and out= forms
+
+
+LOWERINGS: dict[str, Lowering] = {}
+# Kernels written directly against torch tensors (copy_, item, random fills): overload -> function.
+DIRECT: dict[str, Callable[..., Any]] = {}
+
+
+def lower(
+    *names: str,
+    promote: Any = None,
+    promote_args: Sequence[str] = ("self", "other"),
+    jit: bool = True,
+    variants: bool = True,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for name in names:
+            if name in LOWERINGS or name in DIRECT:
+                raise RuntimeError(f"torch_tpu: aten::{name} is registered twice")
+            LOWERINGS[name] = Lowering(name, fn, promote, tuple(promote_args), jit, variants)
+        return fn
+
+    return deco
+
+
+def direct(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for name in names:
+            if name in LOWERINGS or name in DIRECT:
+                raise RuntimeError(f"torch_tpu: aten::{name} is registered twice")
+            DIRECT[name] = fn
+        return fn
+
+    return deco
+
+
+# ---- schema analysis ----
+
+TENSOR, OPT_TENSOR, TENSOR_LIST, SCALAR, STATIC, GENERATOR = range(6)
+_DYNAMIC = (TENSOR, OPT_TENSOR, TENSOR_LIST, SCALAR)
+
+
+def _kind(arg: Any) -> int:
+    t = arg.type
+    k = t.kind()
+    if k == "TensorType":
+        return TENSOR
+    if k == "NumberType":
+        return SCALAR
+    if k == "OptionalType":
+        inner = t.getElementType().kind()
+        if inner == "TensorType":
+            return OPT_TENSOR
+        if inner == "NumberType":
+            return SCALAR
+        if inner == "GeneratorType":
+            return GENERATOR
+        return STATIC
+    if k == "ListType" and t.getElementType().kind() in ("TensorType", "OptionalType"):
+        return TENSOR_LIST
+    if k == "GeneratorType":
+        return GENERATOR
+    return STATIC
+
+
+def _overload(name: str) -> Any:
+    base, _, overload = name.partition(".")
+    return getattr(getattr(torch.ops.aten, base), overload or "default")
+
+
+def _find_variants(op: Any) -> tuple[Any | None, Any | None]:
+    """The in-place (`add_.Tensor`) and out= (`add.out`) overloads of a functional overload, if any."""
+    schema = op._schema
+    base = schema.name.split("::")[1]
+    names = [a.name for a in schema.arguments]
+    inplace = None
+    packet = getattr(torch.ops.aten, base + "_", None)
+    if packet is not None and (schema.overload_name or "default") in packet.overloads():
+        inplace = getattr(packet, schema.overload_name or "default")
+    out = None
+    for ov in getattr(torch.ops.aten, base).overloads():
+        cand = getattr(getattr(torch.ops.aten, base), ov)
+        args = cand._schema.arguments
+        outs = [a for a in args if a.is_out]
+        if len(outs) == len(schema.returns) and [a.name for a in args if not a.is_out] == names:
+            if [str(a.type) for a in args if not a.is_out] == [str(a.type) for a in schema.arguments]:
+                out = cand
+                break
+    return inplace, out
+
+
+# ---- errors PyTorch users know ----
+
+def _device_mismatch(op: str, a: torch.device, b: torch.device) -> RuntimeError:
+    return RuntimeError(
+        f"Expected all tensors to be on the same device, but found at least two devices, {a} and {b}! "
+        f"(when checking arguments for aten::{op})"
+    )
+
+
+# ---- the kernel built from one lowering ----
+
+_tls = threading.local()
+
+
+class OpKernel:
+    def __init__(self, lowering: Lowering, op: Any) -> None:
+        self.lowering = lowering
+        self.op = op
+        self.name = lowering.name
+        schema = op._schema
+        self.args = [a for a in schema.arguments if not a.is_out]
+        self.arg_names = [a.name for a in self.args]
+        self.kinds = [_kind(a) for a in self.args]
+        self.defaults = [a.default_value if a.has_default_value() else inspect.Parameter.empty for a in self.args]
+        self.n_returns = len(schema.returns)
+        self.promote_idx = tuple(i for i, n in enumerate(self.arg_names) if n in lowering.promote_args)
+        self.dynamic_idx = tuple(i for i, k in enumerate(self.kinds) if k in (TENSOR, OPT_TENSOR, TENSOR_LIST, SCALAR))
+        self._jits: dict[Any, Callable[..., Any]] = {}
+        self.out_names: list[str] = []
+        # Fast path: every argument positional, tensors and scalars only.
+        self.simple = all(k in (TENSOR, SCALAR) for k in self.kinds)
+
+    # -- argument binding --
+    def bind(self, args: tuple, kwargs: dict) -> list:
+        vals = list(args)
+        for i in range(len(vals), len(self.args)):
+            name = self.arg_names[i]
+            if name in kwargs:
+                vals.append(kwargs[name])
+            elif self.defaults[i] is not inspect.Parameter.empty:
+                vals.append(self.defaults[i])
+            else:
+                raise TypeError(f"aten::{self.name}: missing argument {name!r}")
+        return vals
+
+    def prepare(self, vals: list) -> tuple[int, list, tuple, bool]:
+        """(device index, dynamic values, static key, any tpu input) with tensors read as device arrays."""
+        index = -1
+        dev = None
+        dyn: list[Any] = []
+        static: list[Any] = []
+        for v, k in zip(vals, self.kinds):
+            if k == TENSOR or (k == OPT_TENSOR and v is not None):
+                index, dev = self._check_device(v, index, dev)
+                dyn.append(_storage.read(v) if v.device.type == "tpu" else v)  # CPU scalars: below
+                static.append(None)
+            elif k == TENSOR_LIST:
+                arrs = []
+                for t in v:
+                    if t is None:
+                        arrs.append(None)
+                        continue
+                    index, dev = self._check_device(t, index, dev)
+                    arrs.append(_storage.read(t) if t.device.type == "tpu" else t)
+                dyn.append(arrs)
+                static.append(len(v))
+            elif k == SCALAR:
+                dyn.append(v)
+                static.append(type(v))
+            elif k == GENERATOR:
+                dyn.append(None)
+                static.append(None)
+            else:
+                static.append(tuple(v) if isinstance(v, list) else v)
+                dyn.append(None)
+        has_arrays = index >= 0
+        if index < 0:
+            index = _C._current_device()
+        for i, d in enumerate(dyn):  # CPU 0-dim tensors go to the op's device
+            if isinstance(d, torch.Tensor):
+                dyn[i] = _runtime.upload(d, index)
+            elif isinstance(d, list) and any(isinstance(t, torch.Tensor) for t in d):
+                dyn[i] = [_runtime.upload(t, index) if isinstance(t, torch.Tensor) else t for t in d]
+        return index, dyn, tuple(static), has_arrays
+
+    def _check_device(self, t: torch.Tensor, index: int, dev: torch.device | None) -> tuple[int, torch.device]:
+        d = t.device
+        if d.type == "tpu":
+            if index >= 0 and d.index != index:
+                raise _device_mismatch(self.name, dev, d)
+            return d.index, d
+        if d.type == "cpu" and t.dim() == 0:
+            return index, dev  # CPU scalars mix with device tensors, as on CUDA
+        raise _device_mismatch(self.name, dev if dev is not None else torch.device("tpu", _C._current_device()), d)
+
+    # -- tracing --
+    def _traced(self, static: tuple, out_dtype: Any) -> Callable[..., Any]:
+        lowering = self.lowering
+        names = self.arg_names
+        kinds = self.kinds
+        promote_idx = self.promote_idx
+
+        def run(*dyn: Any) -> Any:
+            vals = [dyn[i] if kinds[i] in _DYNAMIC else static[i] for i in range(len(kinds))]
+            result_dtype = None
+            kind = lowering.promote
+            if callable(kind):
+                kind = kind(**{n: static[i] for i, n in enumerate(names) if kinds[i] == STATIC})
+            if kind is not None:
+                present = tuple(i for i in promote_idx if vals[i] is not None)
+                compute, result_dtype = _promote([vals[i] for i in present], static, present, kind)
+                for i in present:
+                    if vals[i] is not None:
+                        vals[i] = jnp.asarray(vals[i]).astype(compute)
+            out = lowering.fn(**dict(zip(names, vals)))
+            if result_dtype is not None:
+                out = _cast_tree(out, result_dtype)
+            if out_dtype is not None:
+                out = _cast_tree(out, out_dtype)
+            return out
+
+        return run
+
+    def compute(self, vals: list, out_dtype: Any = None) -> tuple[int, Any]:
+        index, dyn, static, has_arrays = self.prepare(vals)
+        key = (static, out_dtype) if has_arrays else (static, out_dtype, index)
+        fn = self._jits.get(key)
+        if fn is None:
+            run = self._traced(static, out_dtype)
+            if not self.lowering.jit:
+                fn = run
+            elif has_arrays:
+                fn = jax.jit(run)
+            else:  # nothing to follow: place the result on the op's device
+                fn = jax.jit(run, out_shardings=jax.sharding.SingleDeviceSharding(_runtime.device(index)))
+            self._jits[key] = fn
+        return index, fn(*dyn)
+
+    # -- the three installed forms --
+    def functional(self, *args: Any, **kwargs: Any) -> Any:
+        vals = self.bind(args, kwargs)
+        index, out = self.compute(vals)
+        return _wrap_tree(out, index)
+
+    def inplace(self, *args: Any, **kwargs: Any) -> Any:
+        vals = self.bind(args, kwargs)
+        target = vals[0]
+        index, out = self.compute(vals)
+        _check_same_shape(self.name, target, out)
+        _check_cast(self.name, _runtime.torch_dtype(out.dtype), target.dtype)
+        _storage.write(target, out)
+        return target
+
+    def out(self, *args: Any, **kwargs: Any) -> Any:
+        n_out = self.n_returns
+        outs = [kwargs.pop(a) for a in self.out_names if a in kwargs]
+        if len(outs) < n_out:
+            outs = list(args[len(args) - n_out:]) + outs
+            args = args[: len(args) - n_out]
+        vals = self.bind(args, kwargs)
+        for o in outs:
+            if o.device.type != "tpu":
+                raise _device_mismatch(self.name, torch.device("tpu", _C._current_device()), o.device)
+        index, result = self.compute(vals)
+        results = result if isinstance(result, (tuple, list)) else (result,)
+        for o, r in zip(outs, results):
+            _check_cast(self.name, _runtime.torch_dtype(r.dtype), o.dtype)
+            _maybe_resize_out(o, tuple(r.shape))
+            _storage.write(o, r)
+        return outs[0] if n_out == 1 else tuple(outs)
+
+
+def _promote(operands: list, static: tuple, idx: tuple, kind: Any) -> tuple[Any, Any]:
+    """PyTorch's elementwise type promotion, computed at trace time from avals (never on a cache hit)."""
+    proxies = []
+    for i, x in zip(idx, operands):
+        scalar_type = static[i]
+        if isinstance(scalar_type, type) and scalar_type in (bool, int, float, complex):
+            proxies.append(scalar_type(0))
+        else:
+            proxies.append(torch.empty((1,) * x.ndim, dtype=_runtime.torch_dtype(x.dtype), device="meta"))
+    compute, result = elementwise_dtypes(*proxies, type_promotion_kind=kind)
+    return _runtime.jax_dtype(compute), _runtime.jax_dtype(result)
+
+
+def result_dtype(*arrays: Any, kind: Any = DEFAULT) -> Any:
+    """PyTorch's promoted dtype of several arrays (all treated as dimensioned tensors), as a JAX dtype."""
+    proxies = [torch.empty((1,) * max(a.ndim, 1), dtype=_runtime.torch_dtype(a.dtype), device="meta") for a in arrays]
+    return _runtime.jax_dtype(elementwise_dtypes(*proxies, type_promotion_kind=kind)[1])
+
+
+def _cast_tree(out: Any, dtype: Any) -> Any:
+    if isinstance(out, (tuple, list)):
+        return type(out)(_cast_tree(o, dtype) for o in out)
+    return out if out.dtype == dtype else out.astype(dtype)
+
+
+def _wrap_tree(out: Any, index: int) -> Any:
+    if isinstance(out, (tuple, list)):
+        return tuple(_wrap_tree(o, index) for o in out)
+    return _C._wrap(out, _runtime.torch_dtype(out.dtype), index)
+
+
+def _check_same_shape(op: str, target: torch.Tensor, out: Any) -> None:
+    if tuple(out.shape) != tuple(target.shape):
+        raise RuntimeError(
+            f"output with shape {list(target.shape)} doesn't match the broadcast shape {list(out.shape)} "
+            f"(aten::{op})"
+        )
+
+
+def _check_cast(op: str, result: torch.dtype, target: torch.dtype) -> None:
+    if not torch.can_cast(result, target):
+        raise RuntimeError(f"result type {_short(result)} can't be cast to the desired output type {_short(target)}")
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {
+        torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
+        torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char",
+        torch.uint8: "Byte", torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
+    }.get(dtype, str(dtype))
+
+
+# ---- installation ----
+
+_LIB: torch.library.Library | None = None
+KERNELS: dict[str, OpKernel] = {}
+
+
+def install() -> None:
+    """Registers every lowering (with its in-place and out= forms) and direct kernel for PrivateUse1."""
+    global _LIB
+    if _LIB is not None:
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    for name, lowering in LOWERINGS.items():
+        op = _overload(name)
+        kernel = OpKernel(lowering, op)
+        KERNELS[name] = kernel
+        lib.impl(name, kernel.functional, "PrivateUse1")
+        if lowering.variants:
+            inplace, out = _find_variants(op)
+            if inplace is not None and _name(inplace) not in LOWERINGS and _name(inplace) not in DIRECT:
+                lib.impl(_name(inplace), kernel.inplace, "PrivateUse1")
+            if out is not None and _name(out) not in LOWERINGS and _name(out) not in DIRECT:
+                kernel.out_names = [a.name for a in out._schema.arguments if a.is_out]
+                lib.impl(_name(out), kernel.out, "PrivateUse1")
+    for name, fn in DIRECT.items():
+        lib.impl(name, fn, "PrivateUse1")
+    _LIB = lib
+
+
+def _name(op: Any) -> str:
+    s = op._schema
+    return s.name.split("::")[1] + ("." + s.overload_name if s.overload_name else "")
+
+
+def registered_overloads() -> list[str]:
+    """Every aten overload with a tpu kernel, including generated in-place and out= forms."""
+    names = set(DIRECT)
+    for name, lowering in LOWERINGS.items():
+        names.add(name)
+        if lowering.variants:
+            for v in _find_variants(_overload(name)):
+                if v is not None:
+                    names.add(_name(v))
+    return sorted(names)
+
+
+def numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)

@@ -1,0 +1,207 @@
+"""The PJRT runtime behind the tpu device: platform choice, devices, dtype maps, host transfers, sync.
+
+Nothing here runs at `import torch`: the C++ runtime calls `start()` on the first tpu use.
+Platform: the TPU when libtpu finds one, else XLA:CPU. TORCH_TPU_PLATFORM=cpu|tpu|cuda forces one;
+TORCH_TPU_NUM_DEVICES=N gives N virtual XLA:CPU devices.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+_lock = threading.RLock()
+_configured = False
+_devices: list[Any] | None = None
+_platform: str | None = None
+
+PLATFORMS = ("cpu", "tpu", "cuda")
+
+
+def configure_jax() -> None:
+    """Process-wide JAX settings, applied once before JAX creates a backend."""
+    global _configured
+    if _configured:
+        return
+    with _lock:
+        if _configured:
+            return
+        import jax
+
+        # int64 and float64 tensors need JAX's x64 mode.
+        jax.config.update("jax_enable_x64", True)
+        n = os.environ.get("TORCH_TPU_NUM_DEVICES")
+        if n:
+            try:
+                count = int(n)
+            except ValueError:
+                raise RuntimeError(f"torch_tpu: TORCH_TPU_NUM_DEVICES={n!r} is not an integer") from None
+            if count < 1:
+                raise RuntimeError(f"torch_tpu: TORCH_TPU_NUM_DEVICES={n!r} must be at least 1")
+            jax.config.update("jax_num_cpu_devices", count)
+        _configured = True
+
+
+def _pick_devices() -> tuple[str, list[Any]]:
+    import jax
+
+    forced = os.environ.get("TORCH_TPU_PLATFORM", "").strip().lower()
+    if forced:
+        if forced not in PLATFORMS:
+            raise RuntimeError(
+                f"TORCH_TPU_PLATFORM={forced!r} is not one of {', '.join(PLATFORMS)}; unset it to use the TPU "
+                "when one is present and XLA:CPU otherwise."
+            )
+        try:
+            devs = jax.devices(forced)
+        except RuntimeError as e:
+            hint = {
+                "tpu": "install libtpu (pip install 'torch_tpu[tpu]') on a TPU VM",
+                "cuda": "install a CUDA build of jaxlib (pip install 'jax[cuda12]')",
+                "cpu": "",
+            }[forced]
+            raise RuntimeError(f"TORCH_TPU_PLATFORM={forced} but JAX found no {forced} devices ({e}). {hint}") from e
+        return forced, devs
+    if os.environ.get("TORCH_TPU_NUM_DEVICES"):
+        return "cpu", jax.devices("cpu")
+    try:
+        return "tpu", jax.devices("tpu")
+    except RuntimeError:
+        return "cpu", jax.devices("cpu")
+
+
+def start() -> int:
+    """Starts the PJRT client; returns the device count. Called by the C++ runtime on first tpu use."""
+    global _devices, _platform
+    with _lock:
+        if _devices is None:
+            configure_jax()
+            _platform, _devices = _pick_devices()
+        return len(_devices)
+
+
+def devices() -> list[Any]:
+    if _devices is None:
+        from torch_tpu import _C
+
+        _C._device_count()  # starts the runtime through the C++ side, which caches the count
+    assert _devices is not None
+    return _devices
+
+
+def device(index: int) -> Any:
+    return devices()[index]
+
+
+def platform() -> str:
+    devices()
+    assert _platform is not None
+    return _platform
+
+
+# ---- dtypes ----
+
+_TORCH_TO_JAX: dict[torch.dtype, Any] = {}
+_JAX_TO_TORCH: dict[Any, torch.dtype] = {}
+
+
+def _build_dtype_maps() -> None:
+    import ml_dtypes
+
+    pairs = [
+        (torch.bool, np.bool_),
+        (torch.uint8, np.uint8),
+        (torch.int8, np.int8),
+        (torch.int16, np.int16),
+        (torch.int32, np.int32),
+        (torch.int64, np.int64),
+        (torch.uint16, np.uint16),
+        (torch.uint32, np.uint32),
+        (torch.uint64, np.uint64),
+        (torch.float16, np.float16),
+        (torch.float32, np.float32),
+        (torch.float64, np.float64),
+        (torch.bfloat16, ml_dtypes.bfloat16),
+        (torch.complex64, np.complex64),
+        (torch.complex128, np.complex128),
+        (torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn),
+        (torch.float8_e5m2, ml_dtypes.float8_e5m2),
+        (torch.float8_e4m3fnuz, ml_dtypes.float8_e4m3fnuz),
+        (torch.float8_e5m2fnuz, ml_dtypes.float8_e5m2fnuz),
+    ]
+    for t, j in pairs:
+        jd = np.dtype(j)
+        _TORCH_TO_JAX[t] = jd
+        _JAX_TO_TORCH[jd] = t
+
+
+def jax_dtype(dtype: torch.dtype) -> Any:
+    if not _TORCH_TO_JAX:
+        _build_dtype_maps()
+    try:
+        return _TORCH_TO_JAX[dtype]
+    except KeyError:
+        raise TypeError(f"torch_tpu: dtype {dtype} is not supported on tpu") from None
+
+
+def torch_dtype(dtype: Any) -> torch.dtype:
+    if not _JAX_TO_TORCH:
+        _build_dtype_maps()
+    try:
+        return _JAX_TO_TORCH[np.dtype(dtype)]
+    except KeyError:
+        raise TypeError(f"torch_tpu: the XLA dtype {dtype} has no torch equivalent") from None
+
+
+# ---- host transfers ----
+
+_VIEW_AS_INT = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.int8, torch.float8_e5m2: torch.int8,
+                torch.float8_e4m3fnuz: torch.int8, torch.float8_e5m2fnuz: torch.int8,
+                torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+
+def host_to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor's values (dtypes numpy lacks are reinterpreted, not converted)."""
+    t = t.detach().resolve_conj().resolve_neg().contiguous()
+    as_int = _VIEW_AS_INT.get(t.dtype)
+    if as_int is not None:
+        return t.view(as_int).numpy().view(jax_dtype(t.dtype))
+    return t.numpy()
+
+
+def upload(t: torch.Tensor, index: int) -> Any:
+    """A device array holding a copy of the CPU tensor `t` on tpu:`index`."""
+    import jax
+
+    arr = host_to_numpy(t)
+    # may_alias=False: XLA:CPU could otherwise alias the torch-owned host memory, which torch may mutate.
+    return jax.device_put(arr, device(index), may_alias=False)
+
+
+def download(arr: Any) -> torch.Tensor:
+    """A CPU tensor with the values of the device array `arr` (waits for it)."""
+    np_arr = np.asarray(arr)
+    dtype = torch_dtype(np_arr.dtype)
+    as_int = _VIEW_AS_INT.get(dtype)
+    if as_int is not None:
+        np_arr = np_arr.view(jax_dtype(as_int))
+    if not np_arr.flags.writeable:
+        np_arr = np_arr.copy()
+    out = torch.from_numpy(np_arr)
+    return out.view(dtype) if as_int is not None else out
+
+
+def synchronize(index: int | None = None) -> None:
+    """Waits for all work queued on tpu devices (or on tpu:`index`)."""
+    if _devices is None:
+        return
+    import jax
+
+    want = None if index is None or index < 0 else _devices[index]
+    for a in jax.live_arrays():
+        if want is None or want in a.devices():
+            a.block_until_ready()

@@ -1,0 +1,189 @@
+"""The Python half of the storage model: reading a tensor's value from its storage's device array, and
+writing a value back through a view.
+
+A storage owns one immutable device array in its producer's shape and dtype. A tensor is that storage plus
+sizes, strides, offset and dtype. Reading: the whole array as is (fast path, in C++), a contiguous window
+as a slice, a permutation or broadcast as transpose/broadcast, anything else as a gather. Writing: the whole
+storage is replaced; otherwise the value is update-sliced or scattered into the base array, which is then
+swapped in. Views that reinterpret the dtype bitcast through bytes. Every geometry is one cached jit.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+
+from torch_tpu import _C, _runtime
+from torch_tpu._jax import jax, jnp, lax
+
+Geometry = tuple[tuple[int, ...], tuple[int, ...], int]  # sizes, strides, storage offset
+
+
+def _is_contiguous(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    expected = 1
+    for size, stride in zip(reversed(sizes), reversed(strides)):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+# ---- bytes <-> typed arrays (dtype-reinterpreting views) ----
+
+def _to_bytes(x: Any) -> Any:
+    """Flat uint8 view of an array's bytes (little-endian, like torch's CPU storage)."""
+    x = x.reshape(-1)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint8)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        part = jnp.float32 if x.dtype == jnp.complex64 else jnp.float64
+        x = jnp.stack([jnp.real(x).astype(part), jnp.imag(x).astype(part)], axis=-1).reshape(-1)
+    if x.dtype.itemsize == 1:
+        return lax.bitcast_convert_type(x, jnp.uint8)
+    return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+
+
+def _from_bytes(b: Any, dtype: Any) -> Any:
+    """Flat array of `dtype` from flat uint8 bytes (length a multiple of the item size)."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bool_:
+        return b != 0
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        part = jnp.float32 if dtype == jnp.complex64 else jnp.float64
+        pairs = _from_bytes(b, part).reshape(-1, 2)
+        return lax.complex(pairs[:, 0], pairs[:, 1])
+    if dtype.itemsize == 1:
+        return lax.bitcast_convert_type(b, dtype)
+    return lax.bitcast_convert_type(b.reshape(-1, dtype.itemsize), dtype)
+
+
+def _flat_as(base: Any, dtype: Any) -> Any:
+    if base.dtype == dtype:
+        return base.reshape(-1)
+    return _from_bytes(_to_bytes(base), dtype)
+
+
+def _gather_index(sizes: tuple[int, ...], strides: tuple[int, ...], offset: int) -> Any:
+    idx = jnp.full(sizes, offset, dtype=jnp.int64)
+    for dim, stride in enumerate(strides):
+        if sizes[dim] > 1 and stride != 0:
+            idx = idx + lax.broadcasted_iota(jnp.int64, sizes, dim) * stride
+    return idx
+
+
+def _read_flat(flat: Any, sizes: tuple[int, ...], strides: tuple[int, ...], offset: int) -> Any:
+    numel = math.prod(sizes)
+    if numel == 0:
+        return jnp.zeros(sizes, flat.dtype)
+    if _is_contiguous(sizes, strides):
+        return lax.slice(flat, (offset,), (offset + numel,)).reshape(sizes)
+    # Broadcast (stride 0) dims: read the reduced view, then broadcast.
+    keep = [d for d in range(len(sizes)) if not (strides[d] == 0 and sizes[d] > 1)]
+    if len(keep) < len(sizes):
+        sub = _read_flat(flat, tuple(sizes[d] for d in keep), tuple(strides[d] for d in keep), offset)
+        return lax.broadcast_in_dim(sub, sizes, tuple(keep))
+    # A permutation of a contiguous block: slice + reshape + transpose.
+    order = sorted(range(len(sizes)), key=lambda d: -strides[d])
+    psizes = tuple(sizes[d] for d in order)
+    pstrides = tuple(strides[d] for d in order)
+    if _is_contiguous(psizes, pstrides):
+        block = lax.slice(flat, (offset,), (offset + numel,)).reshape(psizes)
+        return jnp.transpose(block, tuple(order.index(d) for d in range(len(sizes))))
+    return flat[_gather_index(sizes, strides, offset)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _reader(base_shape: tuple[int, ...], base_dtype: Any, dtype: Any, geom: Geometry) -> Any:
+    sizes, strides, offset = geom
+
+    def read(base: Any) -> Any:
+        return _read_flat(_flat_as(base, dtype), sizes, strides, offset)
+
+    return jax.jit(read)
+
+
+@functools.lru_cache(maxsize=4096)
+def _writer(base_shape: tuple[int, ...], base_dtype: Any, dtype: Any, geom: Geometry) -> Any:
+    sizes, strides, offset = geom
+
+    def write(base: Any, value: Any) -> Any:
+        flat = _flat_as(base, dtype)
+        value = value.astype(dtype).reshape(sizes)
+        if math.prod(sizes) == 0:
+            return base
+        if _is_contiguous(sizes, strides):
+            flat = lax.dynamic_update_slice(flat, value.reshape(-1), (offset,))
+        else:
+            flat = flat.at[_gather_index(sizes, strides, offset)].set(value)
+        if dtype != base_dtype:
+            flat = _from_bytes(_to_bytes(flat), base_dtype)
+        return flat.reshape(base_shape)
+
+    return jax.jit(write, donate_argnums=())
+
+
+def _geometry(t: torch.Tensor) -> Geometry:
+    return tuple(t.shape), tuple(t.stride()), t.storage_offset()
+
+
+def _zeros_base(nbytes: int, dtype: Any, index: int) -> Any:
+    item = jnp.dtype(dtype).itemsize
+    if nbytes % item == 0:
+        shape, zdtype = (nbytes // item,), dtype
+    else:
+        shape, zdtype = (nbytes,), jnp.uint8
+    return jax.device_put(jnp.zeros(shape, zdtype), _runtime.device(index))
+
+
+def read(t: torch.Tensor) -> Any:
+    """The value of tpu tensor `t` as a device array of its shape and dtype."""
+    arr = _C._array(t)
+    if arr is not None:
+        return arr
+    base, nbytes, index = _C._storage_array(t)
+    dtype = _runtime.jax_dtype(t.dtype)
+    if base is None:  # never written: reads as zeros
+        return jax.device_put(jnp.zeros(tuple(t.shape), dtype), _runtime.device(index))
+    return _reader(base.shape, base.dtype, dtype, _geometry(t))(base)
+
+
+def write(t: torch.Tensor, value: Any) -> None:
+    """Writes `value` (t's shape; cast to t's dtype) into tpu tensor `t`, through its storage."""
+    dtype = _runtime.jax_dtype(t.dtype)
+    base, nbytes, index = _C._storage_array(t)
+    if (
+        t.storage_offset() == 0
+        and t.is_contiguous()
+        and t.numel() * t.element_size() == nbytes
+    ):
+        if value.dtype != dtype:
+            value = value.astype(dtype)
+        if tuple(value.shape) != tuple(t.shape):
+            value = value.reshape(tuple(t.shape))
+        _C._set_array(t, value, t.dtype)
+        return
+    if base is None:
+        base = _zeros_base(nbytes, dtype, index)
+    new = _writer(base.shape, base.dtype, dtype, _geometry(t))(base, value)
+    _C._set_array(t, new, _runtime.torch_dtype(new.dtype))
+
+
+def resize_array(base: Any, dtype: torch.dtype, old_nbytes: int, new_nbytes: int, index: int) -> tuple:
+    """Callback of the C++ storage resize: the first min(old, new) bytes are kept, new bytes are zero."""
+    jd = _runtime.jax_dtype(dtype)
+    item = jnp.dtype(jd).itemsize
+    if old_nbytes % item == 0 and new_nbytes % item == 0:
+        flat = base.reshape(-1)
+    else:
+        flat, jd, item = _to_bytes(base), jnp.uint8, 1
+        dtype = torch.uint8
+    n_old, n_new = old_nbytes // item, new_nbytes // item
+    if n_new <= n_old:
+        new = flat[:n_new]
+    else:
+        new = jnp.concatenate([flat, jnp.zeros((n_new - n_old,), jd)])
+    new = jax.device_put(new, _runtime.device(index))
+    return new, dtype, tuple(new.shape)

@@ -1,0 +1,269 @@
+"""`torch.tpu`: the device module of the tpu backend (the public API, modelled on `torch.cuda`)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Any, Iterator
+
+import torch
+
+from torch_tpu import _C, _runtime
+
+__all__ = [
+    "device", "device_count", "current_device", "set_device", "is_available", "is_initialized", "synchronize",
+    "get_device_name", "get_device_properties", "manual_seed", "manual_seed_all", "seed", "seed_all",
+    "initial_seed", "get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all",
+    "default_generators", "get_amp_supported_dtype", "is_bf16_supported", "set_cpu_fallback",
+    "fallback_report", "platform", "memory_allocated", "live_storages",
+]
+
+DeviceLike = int | str | torch.device | None
+
+
+def _index(d: DeviceLike, optional: bool = True) -> int:
+    """The device index of `d` (current device when None or a bare 'tpu')."""
+    if d is None:
+        return _C._current_device()
+    if isinstance(d, str):
+        d = torch.device(d)
+    if isinstance(d, torch.device):
+        if d.type != "tpu":
+            raise ValueError(f"Expected a tpu device, but got: {d}")
+        return _C._current_device() if d.index is None else d.index
+    if isinstance(d, int):
+        return d
+    raise TypeError(f"torch.tpu: expected a device index, string or torch.device, got {type(d).__name__}")
+
+
+def is_available() -> bool:
+    """True when at least one tpu device exists (a TPU, or XLA:CPU when no TPU is present)."""
+    try:
+        return device_count() > 0
+    except RuntimeError:
+        return False
+
+
+def is_initialized() -> bool:
+    """True once the PJRT client has started (it starts on the first tpu use, not at import)."""
+    return bool(_C._runtime_started())
+
+
+def _lazy_init() -> None:
+    _C._device_count()
+
+
+def device_count() -> int:
+    return int(_C._device_count())
+
+
+def current_device() -> int:
+    return int(_C._current_device())
+
+
+def set_device(d: DeviceLike) -> None:
+    """Sets the current tpu device of this thread. Raises for an index out of range."""
+    idx = _index(d)
+    if idx >= 0:
+        _C._set_device(idx)
+
+
+class device:
+    """Context manager that changes the current tpu device (like `torch.cuda.device`)."""
+
+    def __init__(self, d: DeviceLike) -> None:
+        self.idx = -1 if d is None else _index(d)
+        self.prev = -1
+
+    def __enter__(self) -> None:
+        self.prev = _C._current_device()
+        if self.idx >= 0:
+            _C._set_device(self.idx)
+
+    def __exit__(self, *exc: Any) -> bool:
+        if self.idx >= 0:
+            _C._set_device(self.prev)
+        return False
+
+
+class device_of(device):
+    """Context manager that makes the device of tensor `obj` current."""
+
+    def __init__(self, obj: torch.Tensor) -> None:
+        super().__init__(obj.get_device() if obj.device.type == "tpu" else None)
+
+
+def synchronize(d: DeviceLike = None) -> None:
+    """Waits until all queued work on the tpu device (default: the current one) has finished."""
+    if not is_initialized():
+        return
+    _runtime.synchronize(_index(d))
+
+
+def platform() -> str:
+    """The PJRT platform that really runs tpu tensors: 'tpu', 'cpu' (XLA:CPU) or 'cuda'."""
+    return _runtime.platform()
+
+
+_PLATFORM_NAMES = {"cpu": "XLA:CPU", "tpu": "TPU", "cuda": "CUDA"}
+
+
+def get_device_name(d: DeviceLike = None) -> str:
+    """The device's name and the platform that really runs it, e.g. 'TPU v5 lite (tpu)' or 'XLA:CPU (cpu)'."""
+    dev = _runtime.device(_checked(d))
+    kind = dev.device_kind
+    plat = _runtime.platform()
+    if plat == "cpu":
+        kind = "XLA:CPU"
+    return f"{kind} ({plat})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _TpuDeviceProperties:
+    name: str
+    platform: str
+    device_kind: str
+    index: int
+    total_memory: int
+    process_index: int
+
+    def __repr__(self) -> str:
+        return (f"_TpuDeviceProperties(name='{self.name}', platform='{self.platform}', "
+                f"total_memory={self.total_memory // (1024 * 1024)}MB, index={self.index})")
+
+
+def _checked(d: DeviceLike) -> int:
+    idx = _index(d)
+    _C._check_device(idx)
+    return idx
+
+
+def get_device_properties(d: DeviceLike = None) -> _TpuDeviceProperties:
+    idx = _checked(d)
+    dev = _runtime.device(idx)
+    total = 0
+    try:
+        stats = dev.memory_stats() or {}
+        total = int(stats.get("bytes_limit", 0))
+    except Exception:  # XLA:CPU has no memory stats
+        total = 0
+    if not total:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return _TpuDeviceProperties(
+        name=get_device_name(idx), platform=_runtime.platform(), device_kind=dev.device_kind,
+        index=idx, total_memory=total, process_index=int(getattr(dev, "process_index", 0)),
+    )
+
+
+# ---- RNG ----
+
+_default_generators: tuple[torch.Generator, ...] | None = None
+
+
+def _generators() -> tuple[torch.Generator, ...]:
+    global _default_generators
+    if _default_generators is None:
+        _default_generators = tuple(_C._default_generator(i) for i in range(device_count()))
+    return _default_generators
+
+
+def __getattr__(name: str) -> Any:
+    if name == "default_generators":
+        return _generators()
+    raise AttributeError(f"module 'torch.tpu' has no attribute '{name}'")
+
+
+def manual_seed(seed: int) -> None:
+    """Seeds the current tpu device's default generator."""
+    _generators()[current_device()].manual_seed(int(seed))
+
+
+def manual_seed_all(seed: int) -> None:
+    """Seeds every tpu device's default generator (torch.manual_seed calls this)."""
+    for g in _generators():
+        g.manual_seed(int(seed))
+
+
+def seed() -> None:
+    _generators()[current_device()].seed()
+
+
+def seed_all() -> None:
+    s = _generators()[0].seed()
+    for g in _generators()[1:]:
+        g.manual_seed(s)
+
+
+def initial_seed() -> int:
+    return _generators()[current_device()].initial_seed()
+
+
+def get_rng_state(d: DeviceLike = "tpu") -> torch.Tensor:
+    return _generators()[_checked(d)].get_state()
+
+
+def set_rng_state(new_state: torch.Tensor, d: DeviceLike = "tpu") -> None:
+    _generators()[_checked(d)].set_state(new_state)
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    return [g.get_state() for g in _generators()]
+
+
+def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
+    for g, s in zip(_generators(), new_states):
+        g.set_state(s)
+
+
+# ---- AMP ----
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    return [torch.bfloat16, torch.float16, torch.float32]
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    return True
+
+
+# ---- missing operators ----
+
+def set_cpu_fallback(enabled: bool) -> None:
+    """Opt in to running operators that have no tpu kernel on the CPU (warns once per op, counts uses)."""
+    _C._set_fallback_mode(1 if enabled else 0)
+
+
+def fallback_report(reset: bool = False) -> dict[str, int]:
+    """{aten overload: times it ran on CPU through the opt-in fallback}, most used first."""
+    counts = dict(sorted(_C._fallback_counts(), key=lambda kv: (-kv[1], kv[0])))
+    if reset:
+        _C._reset_fallback_counts()
+    return counts
+
+
+@contextlib.contextmanager
+def cpu_fallback(enabled: bool = True) -> Iterator[None]:
+    """Context manager form of set_cpu_fallback."""
+    prev = _C._fallback_mode()
+    _C._set_fallback_mode(1 if enabled else 0)
+    try:
+        yield
+    finally:
+        _C._set_fallback_mode(prev)
+
+
+# ---- memory ----
+
+def live_storages() -> int:
+    """Number of live tpu storages (device arrays owned by tensors) in this process."""
+    return int(_C._live_buffers())
+
+
+def memory_allocated(d: DeviceLike = None) -> int:
+    """Bytes held by live device arrays on the device."""
+    if not is_initialized():
+        return 0
+    import jax
+
+    dev = _runtime.device(_index(d))
+    return sum(a.nbytes for a in jax.live_arrays() if dev in a.devices())
