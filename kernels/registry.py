@@ -28,6 +28,9 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dty
 from torch._prims_common.wrappers import _maybe_resize_out
 
 from torch_tpu import _C, _runtime, _storage
+
+_fast_args = _C._fast_args
+_wrap = _C._wrap
 from torch_tpu._jax import jax, jnp
 
 DEFAULT = ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT
@@ -168,6 +171,15 @@ class OpKernel:
         self.dynamic_idx = tuple(i for i, k in enumerate(self.kinds) if k in (TENSOR, OPT_TENSOR, TENSOR_LIST, SCALAR))
         self._jits: dict[Any, Callable[..., Any]] = {}
         self.out_names: list[str] = []
+        # Fast path, keyed by (number of positional args, _C._fast_args mask): a jitted callable taking just
+        # those arguments' arrays/numbers. Eligible when the given args are Tensor/Scalar per the schema and
+        # every omitted one has a default.
+        self._fast: dict[tuple[int, int], Callable[..., Any]] = {}
+        self._fast_ok = [
+            all(k in (TENSOR, SCALAR) for k in self.kinds[:n])
+            and all(d is not inspect.Parameter.empty for d in self.defaults[n:])
+            for n in range(len(self.kinds) + 1)
+        ]
         # Fast path: every argument positional, tensors and scalars only.
         self.simple = all(k in (TENSOR, SCALAR) for k in self.kinds)
 
@@ -191,7 +203,11 @@ class OpKernel:
         dyn: list[Any] = []
         static: list[Any] = []
         for v, k in zip(vals, self.kinds):
-            if k == TENSOR or (k == OPT_TENSOR and v is not None):
+            if (k == TENSOR or k == OPT_TENSOR) and isinstance(v, (bool, int, float, complex)):
+                # A Python number reaching a Tensor argument (`x + 1`): a wrapped scalar.
+                dyn.append(v)
+                static.append(type(v))
+            elif k == TENSOR or (k == OPT_TENSOR and v is not None):
                 index, dev = self._check_device(v, index, dev)
                 dyn.append(_storage.read(v) if v.device.type == "tpu" else v)  # CPU scalars: below
                 static.append(None)
@@ -279,9 +295,25 @@ class OpKernel:
 
     # -- the three installed forms --
     def functional(self, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs:
+            fast = _fast_args(args)
+            if fast is not None:
+                fn = self._fast.get((len(args), fast[1]))
+                if fn is not None:
+                    return _wrap(fn(*fast[2]), None, fast[0])
         vals = self.bind(args, kwargs)
         index, out = self.compute(vals)
+        if not kwargs and self.lowering.jit and self._fast_ok[len(args)] and not isinstance(out, (tuple, list)):
+            fast = _fast_args(args)
+            if fast is not None:
+                self._install_fast(len(args), fast[1], vals)
         return _wrap_tree(out, index)
+
+    def _install_fast(self, n: int, mask: int, vals: list) -> None:
+        _, dyn, static, _ = self.prepare(vals)
+        run = self._traced(static, None)
+        tail = tuple(dyn[n:])
+        self._fast[(n, mask)] = jax.jit(lambda *given: run(*given, *tail))
 
     def inplace(self, *args: Any, **kwargs: Any) -> Any:
         vals = self.bind(args, kwargs)

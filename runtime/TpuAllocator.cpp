@@ -115,6 +115,9 @@ TpuAllocator g_allocator;
 
 }  // namespace
 
+// c10::GetAllocator(PrivateUse1): used by torch.UntypedStorage(n, device="tpu") and storage resizes.
+REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &g_allocator);
+
 c10::Allocator* tpu_allocator() { return &g_allocator; }
 
 TpuBuffer* buffer_of(const c10::Storage& storage) {

@@ -57,12 +57,23 @@ PyObject* py_array(PyObject* /*self*/, PyObject* obj) {
   END_HANDLE_TH_ERRORS
 }
 
-// _wrap(array, dtype, device_index): a new contiguous tpu tensor whose new storage owns `array`.
+PyObject* g_dtype_map = nullptr;  // {numpy dtype: torch.dtype}, set by torch_tpu._runtime
+
+// _wrap(array, dtype or None, device_index): a new contiguous tpu tensor whose new storage owns `array`.
+// With dtype None, the torch dtype is looked up from array.dtype.
 PyObject* py_wrap(PyObject* /*self*/, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject *array, *dtype;
   int device;
   if (!PyArg_ParseTuple(args, "OOi", &array, &dtype, &device)) return nullptr;
+  if (dtype == Py_None) {
+    TORCH_CHECK(g_dtype_map != nullptr, "torch_tpu: internal error: dtype map not set");
+    PyObject* npdt = PyObject_GetAttrString(array, "dtype");
+    if (npdt == nullptr) return nullptr;
+    dtype = PyDict_GetItem(g_dtype_map, npdt);  // borrowed
+    Py_DECREF(npdt);
+    TORCH_CHECK(dtype != nullptr, "torch_tpu: an XLA result has a dtype with no torch equivalent");
+  }
   c10::ScalarType st = scalar_type_of(dtype);
   std::vector<int64_t> shape = shape_of(array);
   int64_t numel = 1;
@@ -112,7 +123,72 @@ PyObject* py_storage_array(PyObject* /*self*/, PyObject* obj) {
   END_HANDLE_TH_ERRORS
 }
 
+// _fast_args(args_tuple) -> (device_index, mask, tuple of arrays/numbers) or None.
+// The hot path of every kernel: succeeds when each argument is a tpu tensor viewing its whole array (all on
+// one device) or a Python bool/int/float. mask packs 2 bits per argument: 0 tensor, 1 bool, 2 int, 3 float.
+PyObject* py_fast_args(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  if (!PyTuple_Check(args)) Py_RETURN_NONE;
+  Py_ssize_t n = PyTuple_GET_SIZE(args);
+  if (n > 30) Py_RETURN_NONE;
+  int device = -1;
+  long mask = 0;
+  PyObject* dyn = PyTuple_New(n);
+  if (dyn == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* a = PyTuple_GET_ITEM(args, i);
+    long code;
+    PyObject* v = a;
+    if (PyBool_Check(a)) {
+      code = 1;
+    } else if (PyLong_CheckExact(a)) {
+      code = 2;
+    } else if (PyFloat_CheckExact(a)) {
+      code = 3;
+    } else if (THPVariable_Check(a)) {
+      code = 0;
+      const at::Tensor& t = THPVariable_Unpack(a);
+      c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+      if (impl->device_type() != kTpu || impl->storage_offset() != 0) {
+        Py_DECREF(dyn);
+        Py_RETURN_NONE;
+      }
+      int idx = impl->device().index();
+      TpuBuffer* buf = buffer_of(impl->unsafe_storage());
+      if ((device >= 0 && idx != device) || buf->array == nullptr ||
+          buf->array_dtype != impl->dtype().toScalarType() || !impl->sizes().equals(buf->array_shape) ||
+          !impl->is_contiguous()) {
+        Py_DECREF(dyn);
+        Py_RETURN_NONE;
+      }
+      device = idx;
+      v = buf->array;
+    } else {
+      Py_DECREF(dyn);
+      Py_RETURN_NONE;
+    }
+    Py_INCREF(v);
+    PyTuple_SET_ITEM(dyn, i, v);
+    mask |= code << (2 * i);
+  }
+  if (device < 0) {
+    Py_DECREF(dyn);
+    Py_RETURN_NONE;
+  }
+  return Py_BuildValue("(ilN)", device, mask, dyn);
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* py_set_dtype_map(PyObject* /*self*/, PyObject* map) {
+  Py_INCREF(map);
+  Py_XDECREF(g_dtype_map);
+  g_dtype_map = map;
+  Py_RETURN_NONE;
+}
+
 PyMethodDef kFastMethods[] = {
+    {"_fast_args", py_fast_args, METH_O, "(device, mask, arrays) when every argument takes the fast path"},
+    {"_set_dtype_map", py_set_dtype_map, METH_O, "{numpy dtype: torch.dtype} used by _wrap"},
     {"_array", py_array, METH_O, "the storage's array if the tensor views it whole, else None"},
     {"_wrap", py_wrap, METH_VARARGS, "wrap a device array as a new tpu tensor"},
     {"_set_array", py_set_array, METH_VARARGS, "replace a storage's device array"},

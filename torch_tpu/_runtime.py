@@ -81,6 +81,11 @@ def start() -> int:
         if _devices is None:
             configure_jax()
             _platform, _devices = _pick_devices()
+            if not _JAX_TO_TORCH:
+                _build_dtype_maps()
+            from torch_tpu import _C
+
+            _C._set_dtype_map(dict(_JAX_TO_TORCH))
         return len(_devices)
 
 
@@ -177,9 +182,10 @@ def upload(t: torch.Tensor, index: int) -> Any:
     """A device array holding a copy of the CPU tensor `t` on tpu:`index`."""
     import jax
 
-    arr = host_to_numpy(t)
-    # may_alias=False: XLA:CPU could otherwise alias the torch-owned host memory, which torch may mutate.
-    return jax.device_put(arr, device(index), may_alias=False)
+    # A private host copy first: XLA:CPU aliases suitably aligned host buffers (even with may_alias=False in
+    # jax 0.10.2), and torch may later mutate its own memory.
+    arr = np.array(host_to_numpy(t), copy=True)
+    return jax.device_put(arr, device(index))
 
 
 def download(arr: Any) -> torch.Tensor:

@@ -1,0 +1,44 @@
+"""Shared test setup. Tests run against the installed torch_tpu wheel (tools/setup.sh builds and installs
+it), never the source tree; CPU PyTorch is the oracle."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import torch_tpu
+
+    where = Path(torch_tpu.__file__).resolve()
+    if REPO in where.parents and "site-packages" not in str(where):
+        raise pytest.UsageError(
+            f"torch_tpu was imported from the source tree ({where}), not the installed wheel. Run the tests "
+            "as the README says (bash tools/setup.sh && .venv/bin/pytest tests), not from the repo root "
+            "with `python -m pytest`."
+        )
+
+
+def run_python(code: str, env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter (cwd outside the repo, so the source tree cannot shadow the wheel)."""
+    full_env = dict(os.environ)
+    full_env.pop("TORCH_TPU_NUM_DEVICES", None)
+    full_env.pop("TORCH_TPU_PLATFORM", None)
+    full_env.pop("TORCH_TPU_CPU_FALLBACK", None)
+    if env:
+        full_env.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=timeout, cwd="/"
+    )
+
+
+@pytest.fixture
+def tpu() -> torch.device:
+    return torch.device("tpu:0")
