@@ -20,7 +20,7 @@ die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 
 # 2. Bazel (Debian's bazel-bootstrap 4.2.3 works offline with the stand-ins in tools/offline).
 if ! command -v bazel >/dev/null 2>&1; then
-  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+  if [ "${TORCH_TPU_NO_APT:-0}" != "1" ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
     say "Bazel not found: installing Debian's bazel-bootstrap with apt-get"
     (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bazel-bootstrap) >&2 \
       || die "could not install Bazel. Install it yourself: 'apt-get install bazel-bootstrap' (Debian/Ubuntu), then rerun tools/setup.sh."

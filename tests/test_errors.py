@@ -1,0 +1,104 @@
+"""Bad input gets PyTorch's usual errors or a message naming the op and the way out; nothing falls back
+silently."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, run_python
+
+
+def test_missing_op_is_strict_by_default() -> None:
+    x = torch.randn(3, device="tpu")
+    with pytest.raises(NotImplementedError) as e:
+        torch.special.bessel_j0(x)
+    msg = str(e.value)
+    assert "aten::special_bessel_j0" in msg
+    assert "TORCH_TPU_CPU_FALLBACK=warn" in msg and "torch.tpu.set_cpu_fallback(True)" in msg
+    assert torch.tpu.fallback_report() == {}
+
+
+def test_opt_in_cpu_fallback_warns_once_and_counts() -> None:
+    x = torch.randn(3, device="tpu")
+    torch.tpu.fallback_report(reset=True)
+    with torch.tpu.cpu_fallback(), warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            y = torch.special.bessel_j0(x)
+    fell_back = [str(m.message) for m in w if "runs on CPU" in str(m.message)]
+    assert len(fell_back) == 1 and "aten::special_bessel_j0" in fell_back[0]
+    assert y.device.type == "tpu"
+    torch.testing.assert_close(y.cpu(), torch.special.bessel_j0(x.cpu()))
+    assert torch.tpu.fallback_report(reset=True) == {"aten::special_bessel_j0.out": 3}
+    with pytest.raises(NotImplementedError):  # strict again outside the context
+        torch.special.bessel_j0(x)
+
+
+def test_fallback_env_var() -> None:
+    r = run_python(
+        "import torch, warnings\n"
+        "x = torch.randn(3, device='tpu')\n"
+        "y = torch.special.bessel_j0(x)\n"
+        "print(torch.tpu.fallback_report())",
+        env={"TORCH_TPU_CPU_FALLBACK": "warn"},
+    )
+    assert r.returncode == 0, r.stderr
+    assert "{'aten::special_bessel_j0.out': 1}" in r.stdout
+    assert "runs on CPU" in r.stderr
+    bad = run_python("import torch", env={"TORCH_TPU_CPU_FALLBACK": "sometimes"})
+    assert bad.returncode != 0 and "TORCH_TPU_CPU_FALLBACK='sometimes' is not understood" in bad.stderr
+
+
+def test_device_mismatch_is_pytorchs_error() -> None:
+    a = torch.randn(2, 2, device="tpu")
+    b = torch.randn(2, 2)
+    for fn in (lambda: a + b, lambda: b + a, lambda: torch.mm(a, b), lambda: torch.mul(b, a), lambda: a.add_(b)):
+        with pytest.raises(RuntimeError, match=r"Expected all tensors to be on the same device, but found at least two devices, (tpu:0 and cpu|cpu and tpu:0)"):
+            fn()
+
+
+def test_unsupported_layout_and_dtype_errors() -> None:
+    with pytest.raises(NotImplementedError, match="'Sparsetpu' backend"):  # PyTorch's own message
+        torch.empty(2, 2, device="tpu", layout=torch.sparse_coo)
+    with pytest.raises(RuntimeError, match="bool tensors is not supported"):
+        torch.ones(2, dtype=torch.bool, device="tpu") - torch.ones(2, dtype=torch.bool, device="tpu")
+
+
+def _setup_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_TPU")}
+    env.update(extra)
+    return env
+
+
+def test_setup_reports_missing_bazel(tmp_path: Path) -> None:
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python3").symlink_to(os.path.realpath(sys.executable))
+    for tool in ("bash", "dirname", "id", "cat", "printf", "ls", "head", "sha256sum", "cut"):
+        src = subprocess.run(["bash", "-c", f"command -v {tool}"], capture_output=True, text=True).stdout.strip()
+        if src:
+            (bindir / tool).symlink_to(src)
+    env = _setup_env(tmp_path, PATH=str(bindir), TORCH_TPU_NO_APT="1")
+    r = subprocess.run(["bash", str(REPO / "tools" / "setup.sh")], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0
+    assert "Bazel is not installed" in r.stderr and "apt-get install bazel-bootstrap" in r.stderr
+
+
+def test_setup_reports_wrong_torch(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    fake = venv / "bin" / "python"
+    fake.write_text("#!/bin/sh\necho 2.0.1\n")
+    fake.chmod(0o755)
+    env = _setup_env(tmp_path, TORCH_TPU_VENV=str(venv))
+    r = subprocess.run(["bash", str(REPO / "tools" / "setup.sh")], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0
+    assert "has torch 2.0.1, but torch_tpu is built for torch==2.13.0" in r.stderr
+    assert "pip install torch==2.13.0" in r.stderr
