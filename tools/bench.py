@@ -1,0 +1,79 @@
+"""torch_tpu benchmarks. Each figure is a ratio of two things run side by side in this one process
+(interleaved trials, median), so machine speed cancels out. Nothing here asserts a time.
+
+    tools/bench                 # all benchmarks
+    tools/bench eager_overhead  # one of them
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+
+
+def per_call_us(fn: Callable[[], object], calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def side_by_side(fns: dict[str, Callable[[], object]], calls: int = 5000, trials: int = 7,
+                 sync: Callable[[], None] | None = None) -> dict[str, float]:
+    """Median microseconds per call of each function, measured in interleaved trials."""
+    for fn in fns.values():  # warm-up: compile, fill caches
+        per_call_us(fn, 200)
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(trials):
+        for name, fn in fns.items():
+            samples[name].append(per_call_us(fn, calls))
+            if sync:
+                sync()
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def bench_eager_overhead() -> None:
+    """Eager dispatch overhead of `x + y` on 2x2 tpu tensors vs a bare cached jax.jit call (target < 2x)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = torch.randn(2, 2, device="tpu")
+    y = torch.randn(2, 2, device="tpu")
+    a = jnp.asarray(x.cpu().numpy())
+    b = jnp.asarray(y.cpu().numpy())
+    add = jax.jit(lambda p, q: p + q)
+    xc, yc = x.cpu(), y.cpu()
+    r = side_by_side({
+        "tpu x + y": lambda: x + y,
+        "jax.jit(a + b)": lambda: add(a, b),
+        "torch cpu x + y": lambda: xc + yc,
+    }, sync=torch.tpu.synchronize)
+    print(f"eager_overhead  platform={torch.tpu.get_device_name()}")
+    for k, v in r.items():
+        print(f"  {k:<18} {v:8.2f} us/call")
+    print(f"  ratio tpu eager / bare cached jax.jit : {r['tpu x + y'] / r['jax.jit(a + b)']:.2f}x  (target < 2x)")
+    print(f"  ratio tpu eager / torch CPU eager     : {r['tpu x + y'] / r['torch cpu x + y']:.2f}x")
+
+
+BENCHMARKS = {"eager_overhead": bench_eager_overhead}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("names", nargs="*", help=f"benchmarks to run (default: all of {', '.join(BENCHMARKS)})")
+    args = ap.parse_args(argv)
+    unknown = [n for n in args.names if n not in BENCHMARKS]
+    if unknown:
+        ap.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
+    for name in args.names or BENCHMARKS:
+        BENCHMARKS[name]()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
