@@ -1,0 +1,79 @@
+"""The wheel: metadata, entry point, layout, and reproducible bytes."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as md
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from conftest import REPO
+
+
+def test_installed_metadata() -> None:
+    dist = md.distribution("torch_tpu")
+    assert dist.version == "0.2.0"
+    eps = [e for e in dist.entry_points if e.group == "torch.backends"]
+    assert [(e.name, e.value) for e in eps] == [("torch_tpu", "torch_tpu:_autoload")]
+    reqs = dist.requires or []
+    assert "torch==2.13.*" in reqs
+    assert any(r.startswith("jax") and "<0.11" in r for r in reqs)
+    assert any(r.startswith("jaxlib") for r in reqs)
+    assert any(r.startswith("libtpu") and 'extra == "tpu"' in r for r in reqs)
+    assert "tpu" in (dist.metadata.get_all("Provides-Extra") or [])
+
+
+def test_installed_layout() -> None:
+    import torch_tpu
+    import torch_tpu.compile_cache
+    import torch_tpu.distributed
+    import torch_tpu.kernels
+
+    root = Path(torch_tpu.__file__).parent
+    assert (root / "_C.so").exists()
+    assert Path(torch_tpu.kernels.__file__).parent == root / "kernels"
+    assert torch_tpu.__version__ == "0.2.0"
+
+
+def _build(tmp: Path, name: str) -> bytes:
+    src = tmp / "src"
+    for rel, text in {"torch_tpu/__init__.py": "x = 1\n", "kernels/a.py": "y = 2\n",
+                      "distributed/__init__.py": "", "README.md": "# readme\n"}.items():
+        p = src / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    so = src / "bazel-out" / "k8-opt" / "bin" / "runtime" / "_C.so"
+    so.parent.mkdir(parents=True, exist_ok=True)
+    so.write_bytes(b"\x7fELF fake")
+    out = tmp / name
+    subprocess.run(
+        [sys.executable, str(REPO / "tools" / "build_wheel.py"), "--out", str(out), "--version", "0.2.0",
+         "--torch-minor", "2.13", "--py-tag", "cp311", "torch_tpu/__init__.py", "kernels/a.py",
+         "distributed/__init__.py", "README.md", "bazel-out/k8-opt/bin/runtime/_C.so"],
+        check=True, cwd=src,
+    )
+    return out.read_bytes()
+
+
+def test_wheel_builder_is_reproducible_and_maps_the_layout(tmp_path: Path) -> None:
+    first = _build(tmp_path, "a.whl")
+    second = _build(tmp_path, "b.whl")
+    assert hashlib.sha256(first).hexdigest() == hashlib.sha256(second).hexdigest()
+    names = zipfile.ZipFile(tmp_path / "a.whl").namelist()
+    assert "torch_tpu/_C.so" in names and "torch_tpu/kernels/a.py" in names
+    assert "torch_tpu/distributed/__init__.py" in names and "torch_tpu/__init__.py" in names
+    assert "torch_tpu-0.2.0.dist-info/entry_points.txt" in names
+    assert names == sorted(names)
+
+
+def test_built_wheel_matches_installed_sources() -> None:
+    wheels = sorted((REPO / "bazel-bin").glob("torch_tpu-0.2.0-*.whl"))
+    assert wheels, "run tools/setup.sh first"
+    import torch_tpu
+
+    root = Path(torch_tpu.__file__).parent
+    with zipfile.ZipFile(wheels[0]) as zf:
+        assert zf.read("torch_tpu/kernels/registry.py") == (root / "kernels" / "registry.py").read_bytes()
+        assert zf.read("torch_tpu/kernels/registry.py") == (REPO / "kernels" / "registry.py").read_bytes()
