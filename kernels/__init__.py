@@ -1,11 +1,17 @@
-"""torch_tpu.kernels: the ATen -> JAX registry (registry.py) and the kernels grouped by family.
+"""torch_tpu.kernels: the ATen -> JAX registry (registry.py) and the kernels, one module per family.
 
-Importing this package defines every lowering; `install()` registers them as PrivateUse1 kernels.
-Adding a kernel: write one function in the family's module with `@lower("aten_overload")` — see
-docs/adding_kernels.md.
+Importing this package imports every module in it, which defines the lowerings; `install()` registers them
+as PrivateUse1 kernels. Adding a kernel is writing one function with `@lower("aten_overload")` in a module
+here (see docs/adding_kernels.md): nothing else needs to change.
 """
 
-from torch_tpu.kernels import copy, creation, elementwise, indexing, linalg, reduction  # noqa: F401
+import importlib
+import pkgutil
+
 from torch_tpu.kernels.registry import DIRECT, LOWERINGS, install, registered_overloads
+
+for _m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+    if not _m.name.startswith("_") and _m.name != "registry":
+        importlib.import_module(f"{__name__}.{_m.name}")
 
 __all__ = ["DIRECT", "LOWERINGS", "install", "registered_overloads"]

@@ -11,6 +11,8 @@ import torch
 
 from torch_tpu import _C, _runtime, _storage
 from torch_tpu._jax import jax, jnp
+from torch._prims_common.wrappers import _maybe_resize_out
+
 from torch_tpu.kernels.registry import direct
 
 
@@ -101,27 +103,60 @@ def _sample_dtype(dtype: Any) -> Any:
     return dtype if dtype in (jnp.float32, jnp.float64) else jnp.float32
 
 
+# Each sampler maps (key, shape, dtype, *params) to values; params are traced, so new values do not recompile.
+
+def _normal_sampler(key: Any, shape: tuple, dtype: Any, mean: Any, std: Any) -> Any:
+    return jax.random.normal(key, shape, _sample_dtype(dtype)) * std + mean
+
+
+def _uniform_sampler(key: Any, shape: tuple, dtype: Any, low: Any, high: Any) -> Any:
+    return jax.random.uniform(key, shape, _sample_dtype(dtype)) * (high - low) + low
+
+
+def _integers_sampler(key: Any, shape: tuple, dtype: Any, low: Any, high: Any) -> Any:
+    # [low, high) in int64 arithmetic (high - low may exceed int32), then cast.
+    return jax.random.randint(key, shape, low, high, dtype=jnp.int64)
+
+
+def _bernoulli_sampler(key: Any, shape: tuple, dtype: Any, p: Any) -> Any:
+    return jax.random.uniform(key, shape, jnp.float64 if dtype == jnp.float64 else jnp.float32) < p
+
+
+def _exponential_sampler(key: Any, shape: tuple, dtype: Any, lambd: Any) -> Any:
+    return jax.random.exponential(key, shape, _sample_dtype(dtype)) / lambd
+
+
+def _geometric_sampler(key: Any, shape: tuple, dtype: Any, p: Any) -> Any:
+    u = jax.random.uniform(key, shape, jnp.float64, minval=jnp.finfo(jnp.float64).tiny)
+    return jnp.ceil(jnp.log(u) / jnp.log1p(-p))
+
+
+def _log_normal_sampler(key: Any, shape: tuple, dtype: Any, mean: Any, std: Any) -> Any:
+    return jnp.exp(jax.random.normal(key, shape, _sample_dtype(dtype)) * std + mean)
+
+
+def _cauchy_sampler(key: Any, shape: tuple, dtype: Any, median: Any, sigma: Any) -> Any:
+    return median + sigma * jax.random.cauchy(key, shape, _sample_dtype(dtype))
+
+
 @functools.lru_cache(maxsize=1024)
-def _normal(shape: tuple[int, ...], dtype: Any, index: int) -> Any:
-    def normal(seed: Any, offset: Any, mean: Any, std: Any) -> Any:
-        z = jax.random.normal(_key(seed, offset), shape, _sample_dtype(dtype))
-        return (z * std + mean).astype(dtype)
+def _sampler(fn: Any, shape: tuple[int, ...], dtype: Any, index: int) -> Any:
+    def sample(seed: Any, offset: Any, *params: Any) -> Any:
+        return fn(_key(seed, offset), shape, dtype, *params).astype(dtype)
 
-    return jax.jit(normal, out_shardings=_on(index))
-
-
-@functools.lru_cache(maxsize=1024)
-def _uniform(shape: tuple[int, ...], dtype: Any, index: int) -> Any:
-    def uniform(seed: Any, offset: Any, low: Any, high: Any) -> Any:
-        u = jax.random.uniform(_key(seed, offset), shape, _sample_dtype(dtype))
-        return (u * (high - low) + low).astype(dtype)
-
-    return jax.jit(uniform, out_shardings=_on(index))
+    return jax.jit(sample, out_shardings=_on(index))
 
 
 def _philox(generator: torch.Generator | None, t: torch.Tensor) -> tuple[Any, Any]:
     seed, offset = _C._philox_step(generator_for(generator, t), 1)
     return jnp.uint64(seed), jnp.uint64(offset)
+
+
+def _fill_random(self: torch.Tensor, generator: Any, fn: Any, *params: Any) -> torch.Tensor:
+    seed, offset = _philox(generator, self)
+    sampler = _sampler(fn, tuple(self.shape), _runtime.jax_dtype(self.dtype), self.device.index)
+    _storage.write(self, sampler(seed, offset, *params))
+    return self
 
 
 def _check_float(op: str, t: torch.Tensor) -> None:
@@ -134,10 +169,7 @@ def normal_(self: torch.Tensor, mean: float = 0.0, std: float = 1.0, *, generato
     _check_float("normal_", self)
     if std < 0:
         raise RuntimeError(f"normal expects std >= 0.0, but found std {std}")
-    seed, offset = _philox(generator, self)
-    fn = _normal(tuple(self.shape), _runtime.jax_dtype(self.dtype), self.device.index)
-    _storage.write(self, fn(seed, offset, float(mean), float(std)))
-    return self
+    return _fill_random(self, generator, _normal_sampler, float(mean), float(std))
 
 
 @direct("uniform_")
@@ -145,7 +177,220 @@ def uniform_(self: torch.Tensor, from_: float = 0.0, to: float = 1.0, *, generat
     _check_float("uniform_", self)
     if from_ > to:
         raise RuntimeError(f"uniform_ expects to return a [from, to) range, but found from={from_} > to={to}")
-    seed, offset = _philox(generator, self)
-    fn = _uniform(tuple(self.shape), _runtime.jax_dtype(self.dtype), self.device.index)
-    _storage.write(self, fn(seed, offset, float(from_), float(to)))
-    return self
+    return _fill_random(self, generator, _uniform_sampler, float(from_), float(to))
+
+
+def _random_bounds(dtype: torch.dtype) -> tuple[int, int]:
+    """[0, n) of Tensor.random_() with no bounds, as PyTorch defines it per dtype."""
+    if dtype == torch.bool:
+        return 0, 2
+    if dtype.is_floating_point:
+        digits = {torch.float32: 24, torch.float64: 53, torch.float16: 11, torch.bfloat16: 8}.get(dtype, 24)
+        return 0, 2**digits + 1
+    return 0, torch.iinfo(dtype).max  # PyTorch's default excludes the maximum itself
+
+
+@direct("random_")
+def random_(self: torch.Tensor, *, generator: Any = None) -> torch.Tensor:
+    low, high = _random_bounds(self.dtype)
+    return _fill_random(self, generator, _integers_sampler, low, high)
+
+
+@direct("random_.to")
+def random_to(self: torch.Tensor, to: int, *, generator: Any = None) -> torch.Tensor:
+    return random_from(self, 0, to, generator=generator)
+
+
+@direct("random_.from")
+def random_from(self: torch.Tensor, from_: int, to: int | None = None, *, generator: Any = None) -> torch.Tensor:
+    if to is None:
+        to = _random_bounds(self.dtype)[1] if self.dtype.is_floating_point else torch.iinfo(self.dtype).max + 1
+    if from_ >= to:
+        raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={from_} >= to={to}")
+    return _fill_random(self, generator, _integers_sampler, int(from_), int(to))
+
+
+@direct("bernoulli_.float")
+def bernoulli_float_(self: torch.Tensor, p: float = 0.5, *, generator: Any = None) -> torch.Tensor:
+    if not 0 <= p <= 1:
+        raise RuntimeError(f"bernoulli_ expects p to be in [0, 1], but got p={p}")
+    return _fill_random(self, generator, _bernoulli_sampler, float(p))
+
+
+@direct("bernoulli_.Tensor")
+def bernoulli_tensor_(self: torch.Tensor, p: torch.Tensor, *, generator: Any = None) -> torch.Tensor:
+    probs = _storage.read(p.to(self.device).expand(self.shape)).astype(jnp.float64)
+    return _fill_random(self, generator, _bernoulli_sampler, probs)
+
+
+@direct("bernoulli")
+def bernoulli(self: torch.Tensor, *, generator: Any = None) -> torch.Tensor:
+    out = torch.empty_like(self)
+    return bernoulli_tensor_(out, self, generator=generator)
+
+
+@direct("bernoulli.p")
+def bernoulli_p(self: torch.Tensor, p: float, *, generator: Any = None) -> torch.Tensor:
+    return bernoulli_float_(torch.empty_like(self), p, generator=generator)
+
+
+@direct("exponential_")
+def exponential_(self: torch.Tensor, lambd: float = 1.0, *, generator: Any = None) -> torch.Tensor:
+    _check_float("exponential_", self)
+    if lambd <= 0:
+        raise RuntimeError(f"exponential_ expects lambda > 0.0, but found lambda={lambd}")
+    return _fill_random(self, generator, _exponential_sampler, float(lambd))
+
+
+@direct("geometric_")
+def geometric_(self: torch.Tensor, p: float, *, generator: Any = None) -> torch.Tensor:
+    if not 0 < p < 1:
+        raise RuntimeError(f"geometric_ expects p to be in (0, 1), but got p={p}")
+    return _fill_random(self, generator, _geometric_sampler, float(p))
+
+
+@direct("log_normal_")
+def log_normal_(self: torch.Tensor, mean: float = 1.0, std: float = 2.0, *, generator: Any = None) -> torch.Tensor:
+    _check_float("log_normal_", self)
+    if std <= 0:
+        raise RuntimeError(f"log_normal_ expects std > 0.0, but found std={std}")
+    return _fill_random(self, generator, _log_normal_sampler, float(mean), float(std))
+
+
+@direct("cauchy_")
+def cauchy_(self: torch.Tensor, median: float = 0.0, sigma: float = 1.0, *, generator: Any = None) -> torch.Tensor:
+    _check_float("cauchy_", self)
+    return _fill_random(self, generator, _cauchy_sampler, float(median), float(sigma))
+
+
+def _normal_tensors(mean: Any, std: Any, generator: Any) -> torch.Tensor:
+    ref = mean if isinstance(mean, torch.Tensor) else std
+    shape = torch.broadcast_shapes(*(t.shape for t in (mean, std) if isinstance(t, torch.Tensor)))
+    dtype = ref.dtype
+    out = torch.empty(shape, dtype=dtype, device=ref.device)
+    normal_(out, 0.0, 1.0, generator=generator)
+    if isinstance(std, torch.Tensor) and bool((std < 0).any().item()):
+        raise RuntimeError("normal expects all elements of std >= 0.0")
+    return out.mul_(std).add_(mean)
+
+
+@direct("normal.Tensor_float")
+def normal_tensor_float(mean: torch.Tensor, std: float = 1.0, *, generator: Any = None) -> torch.Tensor:
+    return _normal_tensors(mean, std, generator)
+
+
+@direct("normal.float_Tensor")
+def normal_float_tensor(mean: float, std: torch.Tensor, *, generator: Any = None) -> torch.Tensor:
+    return _normal_tensors(mean, std, generator)
+
+
+@direct("normal.Tensor_Tensor")
+def normal_tensor_tensor(mean: torch.Tensor, std: torch.Tensor, *, generator: Any = None) -> torch.Tensor:
+    return _normal_tensors(mean, std, generator)
+
+
+@functools.lru_cache(maxsize=256)
+def _permutation(n: int, index: int) -> Any:
+    return jax.jit(lambda seed, offset: jax.random.permutation(_key(seed, offset), n), out_shardings=_on(index))
+
+
+@direct("randperm.generator_out")
+def randperm_out(n: int, *, generator: Any = None, out: torch.Tensor) -> torch.Tensor:
+    if n < 0:
+        raise RuntimeError(f"n must be non-negative, got{n}")
+    if tuple(out.shape) != (n,):
+        out.resize_((n,))
+    seed, offset = _philox(generator, out)
+    _storage.write(out, _permutation(n, out.device.index)(seed, offset).astype(_runtime.jax_dtype(out.dtype)))
+    return out
+
+
+@direct("randperm.out")
+def randperm_out_default(n: int, *, out: torch.Tensor) -> torch.Tensor:
+    return randperm_out(n, generator=None, out=out)
+
+
+def _out_form(fn: Any) -> Any:
+    """The out= overload of a direct functional kernel: compute, resize `out` like PyTorch, copy in."""
+
+    def out_kernel(*args: Any, out: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        result = fn(*args, **kwargs)
+        _maybe_resize_out(out, tuple(result.shape))
+        return out.copy_(result)
+
+    return out_kernel
+
+
+direct("bernoulli.out")(_out_form(bernoulli))
+direct("normal.Tensor_float_out")(_out_form(normal_tensor_float))
+direct("normal.float_Tensor_out")(_out_form(normal_float_tensor))
+direct("normal.Tensor_Tensor_out")(_out_form(normal_tensor_tensor))
+
+
+# ---- ranges and eye ----
+
+@functools.lru_cache(maxsize=1024)
+def _linspace(n: int, dtype: Any, index: int, log: bool) -> Any:
+    def linspace(start: Any, end: Any, base: Any) -> Any:
+        # PyTorch computes the first half from `start` and the second half from `end` (symmetric rounding).
+        step = (end - start) / max(n - 1, 1)
+        i = jnp.arange(n, dtype=jnp.float64)
+        half = n // 2
+        vals = jnp.where(i < half, start + step * i, end - step * (n - 1 - i)) if n > 1 else jnp.full((n,), start)
+        if log:
+            vals = jnp.power(base, vals)
+        if jnp.issubdtype(dtype, jnp.integer):
+            vals = jnp.trunc(vals)
+        return vals.astype(dtype)
+
+    return jax.jit(linspace, out_shardings=_on(index))
+
+
+def _scalar(v: Any) -> Any:
+    return v.item() if isinstance(v, torch.Tensor) else v
+
+
+def _linspace_out(start: Any, end: Any, steps: int, out: torch.Tensor, log: bool, base: float = 10.0) -> torch.Tensor:
+    if steps < 0:
+        raise RuntimeError("number of steps must be non-negative")
+    if tuple(out.shape) != (steps,):
+        out.resize_((steps,))
+    dtype = _runtime.jax_dtype(out.dtype)
+    start, end = _scalar(start), _scalar(end)
+    if not log and not out.dtype.is_floating_point and not out.dtype.is_complex:
+        # Integer linspace: PyTorch steps in integer arithmetic from start.
+        step = (end - start) / max(steps - 1, 1)
+        vals = torch.tensor([int(start + step * i) for i in range(steps)], dtype=out.dtype)
+        return out.copy_(vals)
+    _storage.write(out, _linspace(steps, dtype, out.device.index, log)(float(start), float(end), float(base)))
+    return out
+
+
+@direct("linspace.out")
+def linspace_out(start: Any, end: Any, steps: int, *, out: torch.Tensor) -> torch.Tensor:
+    return _linspace_out(start, end, steps, out, log=False)
+
+
+@direct("logspace.out")
+def logspace_out(start: Any, end: Any, steps: int, base: float = 10.0, *, out: torch.Tensor) -> torch.Tensor:
+    return _linspace_out(start, end, steps, out, log=True, base=base)
+
+
+@functools.lru_cache(maxsize=256)
+def _eye(n: int, m: int, dtype: Any, index: int) -> Any:
+    return jax.jit(lambda: jnp.eye(n, m, dtype=dtype), out_shardings=_on(index))
+
+
+@direct("eye.m_out")
+def eye_m_out(n: int, m: int, *, out: torch.Tensor) -> torch.Tensor:
+    if n < 0 or m < 0:
+        raise RuntimeError(f"n must be greater or equal to 0, got {min(n, m)}")
+    if tuple(out.shape) != (n, m):
+        out.resize_((n, m))
+    _storage.write(out, _eye(n, m, _runtime.jax_dtype(out.dtype), out.device.index)())
+    return out
+
+
+@direct("eye.out")
+def eye_out(n: int, *, out: torch.Tensor) -> torch.Tensor:
+    return eye_m_out(n, n, out=out)

@@ -1,0 +1,48 @@
+"""PyTorch's OpInfo database against tpu (see opinfo_harness.py for what each case checks).
+
+Every OpInfo that runs on CPU in float32 is a case; int64, bool and bfloat16 run too (fewer samples, no
+variants). Expected failures are listed in one place, tests/opinfo_expected.py, each with its reason; a listed
+op that starts passing fails the run until the list is updated (tools/gen_op_coverage.py rewrites it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch_tpu
+
+from opinfo_expected import EXPECTED_FAILURES
+from opinfo_harness import check_op, op_id, opinfo_ops
+
+
+def _cases(dtype: torch.dtype) -> list:
+    params = []
+    for op in opinfo_ops(dtype):
+        key = f"{op_id(op)}:{str(dtype).removeprefix('torch.')}"
+        params.append(pytest.param(op, key, id=key))
+    return params
+
+
+def _run(op, key: str, dtype: torch.dtype, cap: int, variants: bool) -> None:
+    assert torch_tpu._C._fallback_mode() == 0, "the OpInfo suite must run with the strict missing-op policy"
+    reason = EXPECTED_FAILURES.get(key)
+    try:
+        check_op(op, dtype, cap=cap, variants=variants)
+    except Exception as e:  # noqa: BLE001 - a listed failure may fail in any way
+        if reason is None:
+            raise
+        return
+    if reason is not None:
+        pytest.fail(f"{key} is listed as an expected failure ({reason}) but passed: update tests/opinfo_expected.py "
+                    "with tools/gen_op_coverage.py")
+
+
+@pytest.mark.parametrize("op,key", _cases(torch.float32))
+def test_opinfo_float32(op, key) -> None:
+    _run(op, key, torch.float32, cap=4, variants=True)
+
+
+@pytest.mark.parametrize("op,key", _cases(torch.int64) + _cases(torch.bool) + _cases(torch.bfloat16))
+def test_opinfo_other_dtypes(op, key) -> None:
+    dtype = {"int64": torch.int64, "bool": torch.bool, "bfloat16": torch.bfloat16}[key.rsplit(":", 1)[1]]
+    _run(op, key, dtype, cap=2, variants=False)
