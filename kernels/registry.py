@@ -31,6 +31,7 @@ from torch_tpu import _C, _runtime, _storage
 
 _fast_args = _C._fast_args
 _wrap = _C._wrap
+_set_whole = _C._set_whole
 from torch_tpu._jax import jax, jnp
 
 DEFAULT = ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT
@@ -175,6 +176,7 @@ class OpKernel:
         # those arguments' arrays/numbers. Eligible when the given args are Tensor/Scalar per the schema and
         # every omitted one has a default.
         self._fast: dict[tuple[int, int], Callable[..., Any]] = {}
+        self._fast_inplace: dict[tuple[int, int, torch.dtype], Callable[..., Any]] = {}
         self._fast_ok = [
             all(k in (TENSOR, SCALAR) for k in self.kinds[:n])
             and all(d is not inspect.Parameter.empty for d in self.defaults[n:])
@@ -309,19 +311,35 @@ class OpKernel:
                 self._install_fast(len(args), fast[1], vals)
         return _wrap_tree(out, index)
 
-    def _install_fast(self, n: int, mask: int, vals: list) -> None:
+    def _install_fast(self, n: int, mask: int, vals: list, inplace_dtype: torch.dtype | None = None) -> None:
+        """Caches a jitted callable for calls shaped like this one (see `functional` and `inplace`)."""
         _, dyn, static, _ = self.prepare(vals)
-        run = self._traced(static, None)
+        out_dtype = None if inplace_dtype is None else _runtime.jax_dtype(inplace_dtype)
+        run = self._traced(static, out_dtype)
         tail = tuple(dyn[n:])
-        self._fast[(n, mask)] = jax.jit(lambda *given: run(*given, *tail))
+        fn = jax.jit(lambda *given: run(*given, *tail))
+        if inplace_dtype is None:
+            self._fast[(n, mask)] = fn
+        else:
+            self._fast_inplace[(n, mask, inplace_dtype)] = fn
 
     def inplace(self, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs:
+            fast = _fast_args(args)
+            if fast is not None:
+                fn = self._fast_inplace.get((len(args), fast[1], args[0].dtype))
+                if fn is not None and _set_whole(args[0], fn(*fast[2])):
+                    return args[0]
         vals = self.bind(args, kwargs)
         target = vals[0]
         index, out = self.compute(vals)
         _check_same_shape(self.name, target, out)
         _check_cast(self.name, _runtime.torch_dtype(out.dtype), target.dtype)
         _storage.write(target, out)
+        if not kwargs and self.lowering.jit and self._fast_ok[len(args)] and not isinstance(out, (tuple, list)):
+            fast = _fast_args(args)
+            if fast is not None:
+                self._install_fast(len(args), fast[1], vals, target.dtype)
         return target
 
     def out(self, *args: Any, **kwargs: Any) -> Any:

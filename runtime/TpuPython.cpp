@@ -179,6 +179,31 @@ PyObject* py_fast_args(PyObject* /*self*/, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
+// _set_whole(t, array) -> bool: when `t` views its whole storage (offset 0, contiguous, all bytes) and
+// `array` has exactly t's shape and dtype, the storage now holds `array` (True). Else nothing changes (False).
+// The in-place fast path: a broadcast or dtype mismatch falls back to the checked slow path.
+PyObject* py_set_whole(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *obj, *array;
+  if (!PyArg_ParseTuple(args, "OO", &obj, &array)) return nullptr;
+  const at::Tensor& t = tensor_arg(obj);
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (impl->device_type() != kTpu || impl->storage_offset() != 0 || !impl->is_contiguous()) Py_RETURN_FALSE;
+  TpuBuffer* buf = buffer_of(impl->unsafe_storage());
+  c10::ScalarType st = impl->dtype().toScalarType();
+  if (static_cast<size_t>(impl->numel()) * c10::elementSize(st) != buf->nbytes) Py_RETURN_FALSE;
+  PyObject* npdt = PyObject_GetAttrString(array, "dtype");
+  if (npdt == nullptr) return nullptr;
+  PyObject* tdt = g_dtype_map ? PyDict_GetItem(g_dtype_map, npdt) : nullptr;
+  Py_DECREF(npdt);
+  if (tdt == nullptr || scalar_type_of(tdt) != st) Py_RETURN_FALSE;
+  std::vector<int64_t> shape = shape_of(array);
+  if (!impl->sizes().equals(shape)) Py_RETURN_FALSE;
+  set_buffer_array(buf, array, st, std::move(shape));
+  Py_RETURN_TRUE;
+  END_HANDLE_TH_ERRORS
+}
+
 PyObject* py_set_dtype_map(PyObject* /*self*/, PyObject* map) {
   Py_INCREF(map);
   Py_XDECREF(g_dtype_map);
@@ -189,6 +214,7 @@ PyObject* py_set_dtype_map(PyObject* /*self*/, PyObject* map) {
 PyMethodDef kFastMethods[] = {
     {"_fast_args", py_fast_args, METH_O, "(device, mask, arrays) when every argument takes the fast path"},
     {"_set_dtype_map", py_set_dtype_map, METH_O, "{numpy dtype: torch.dtype} used by _wrap"},
+    {"_set_whole", py_set_whole, METH_VARARGS, "swap in an array of exactly the tensor's shape and dtype"},
     {"_array", py_array, METH_O, "the storage's array if the tensor views it whole, else None"},
     {"_wrap", py_wrap, METH_VARARGS, "wrap a device array as a new tpu tensor"},
     {"_set_array", py_set_array, METH_VARARGS, "replace a storage's device array"},

@@ -60,7 +60,35 @@ def bench_eager_overhead() -> None:
     print(f"  ratio tpu eager / torch CPU eager     : {r['tpu x + y'] / r['torch cpu x + y']:.2f}x")
 
 
-BENCHMARKS = {"eager_overhead": bench_eager_overhead}
+def bench_op_overhead() -> None:
+    """Per-op cost, waited for, of a small elementwise op and a 256x256 matmul on tpu, against a bare cached
+    jax.jit call of the same computation (also waited for) and against torch CPU eager."""
+    import jax
+    import jax.numpy as jnp
+
+    cases = {
+        "mul 64x64": ((64, 64), lambda p, q: p * q, lambda p, q: p * q, 2000),
+        "mm 256x256": ((256, 256), lambda p, q: jnp.matmul(p, q, precision=jax.lax.Precision.HIGHEST),
+                       lambda p, q: p @ q, 200),
+    }
+    print(f"op_overhead  platform={torch.tpu.get_device_name()}  (each call waits for its result)")
+    for name, (shape, jfn, tfn, calls) in cases.items():
+        xc, yc = torch.randn(*shape), torch.randn(*shape)
+        x, y = xc.to("tpu"), yc.to("tpu")
+        a, b = jnp.asarray(xc.numpy()), jnp.asarray(yc.numpy())
+        jitted = jax.jit(jfn)
+
+        def on_tpu() -> None:
+            tfn(x, y)
+            torch.tpu.synchronize()
+
+        r = side_by_side({"tpu": on_tpu, "jit": lambda: jitted(a, b).block_until_ready(),
+                          "cpu": lambda: tfn(xc, yc)}, calls=calls)
+        print(f"  {name:<11} tpu {r['tpu']:8.1f} us  jax.jit {r['jit']:8.1f} us  torch cpu {r['cpu']:8.1f} us"
+              f"  -> tpu/jit {r['tpu'] / r['jit']:.2f}x, tpu/cpu {r['tpu'] / r['cpu']:.2f}x")
+
+
+BENCHMARKS = {"eager_overhead": bench_eager_overhead, "op_overhead": bench_op_overhead}
 
 
 def main(argv: list[str]) -> int:
