@@ -52,11 +52,13 @@ def _to_tpu(x: Any) -> Any:
     sizes, strides and offset, so non-contiguous samples stay non-contiguous views on tpu."""
     if isinstance(x, torch.Tensor):
         return _same_geometry(x, "tpu")
+    return x
+
+
+def _device_to_tpu(x: Any) -> Any:
     if isinstance(x, torch.device) and x.type == "cpu":
         return torch.device("tpu")
-    if isinstance(x, str) and x == "cpu":
-        return "tpu"
-    return x
+    return "tpu" if isinstance(x, str) and x == "cpu" else x  # device strings ('cpu' means nothing else)
 
 
 def _tpu_sample(op: Any, sample: Any) -> Any:
@@ -64,9 +66,10 @@ def _tpu_sample(op: Any, sample: Any) -> Any:
     if op.name in CPU_ARGS:
         moved = type(sample)(moved.input, args=sample.args, kwargs=sample.kwargs,
                              broadcasts_input=sample.broadcasts_input, name=sample.name)
-    dev = moved.kwargs.get("device")
-    if dev is not None and torch.device(dev).type == "cpu":
-        moved.kwargs["device"] = torch.device("tpu")
+    # Device arguments (factory functions, Tensor.to) follow the sample to tpu.
+    moved = type(sample)(moved.input, args=tree_map(_device_to_tpu, moved.args),
+                         kwargs=tree_map(_device_to_tpu, moved.kwargs), broadcasts_input=sample.broadcasts_input,
+                         name=sample.name)
     return moved
 
 
