@@ -24,10 +24,20 @@ def _convert(shape: tuple[int, ...], dtype: Any) -> Any:
     return jax.jit(convert)
 
 
+def _read_resolved(src: torch.Tensor, dst: torch.Tensor) -> Any:
+    """src's values with its lazy conjugate/negative bits applied relative to dst's (copy_ resolves them)."""
+    val = _storage.read(src)
+    if src.is_conj() != dst.is_conj():
+        val = jnp.conj(val)
+    if src.is_neg() != dst.is_neg():
+        val = -val
+    return val
+
+
 def _value_for(dst: torch.Tensor, src: torch.Tensor) -> Any:
     index = dst.device.index
     if src.device.type == "tpu":
-        val = _storage.read(src)
+        val = _read_resolved(src, dst)
         if src.device.index != index:
             val = jax.device_put(val, _runtime.device(index))
     else:
@@ -52,7 +62,7 @@ def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> 
         _storage.write(self, _value_for(self, src))
     elif src.device.type == "tpu":
         # To the host (or another backend): fetch, then let that device's copy_ cast and broadcast.
-        self.copy_(_runtime.download(_storage.read(src)))
+        self.copy_(_runtime.download(_read_resolved(src, self)))
     else:
         raise RuntimeError(f"torch_tpu: copy_ from {src.device} to {self.device} reached the tpu backend")
     return self
