@@ -1,19 +1,40 @@
-"""Reductions with PyTorch's dtype rules (integer and bool sums accumulate in int64)."""
+"""Reductions, scans and sorting with PyTorch's dtype rules (integer and bool sums accumulate in int64,
+arg-reductions return int64 with the first occurrence), keepdim and dim wrapping."""
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
 from torch_tpu import _runtime
-from torch_tpu._jax import jnp
-from torch_tpu.kernels.registry import lower
+from torch_tpu._jax import jax, jnp, lax
+from torch_tpu.kernels.registry import dtype_name, lower, result_dtype
+
+# ---- shared helpers ----
 
 
-def _axes(self: Any, dim: Sequence[int] | None) -> tuple[int, ...] | None:
-    if dim is None or len(dim) == 0:
-        return None
-    nd = max(self.ndim, 1)
-    return tuple(sorted({d % nd for d in dim})) if self.ndim else None
+def _name(dtype: Any) -> str:
+    """PyTorch's short dtype name ("Long", "Float") for error messages."""
+    return dtype_name(_runtime.torch_dtype(dtype))
+
+
+def _wrap_dim(dim: int, ndim: int) -> int:
+    """PyTorch's maybe_wrap_dim: a 0-dim tensor accepts dims -1 and 0."""
+    n = max(ndim, 1)
+    if not -n <= dim < n:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], but got {dim})")
+    return dim % n
+
+
+def _axes(x: Any, dim: Sequence[int] | int | None, empty_is_all: bool = True) -> tuple[int, ...]:
+    """The reduced axes of `x` for a dim argument (None, or [] when `empty_is_all`, means every axis)."""
+    if dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0 and empty_is_all):
+        return tuple(range(x.ndim))
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    wrapped = [_wrap_dim(d, x.ndim) for d in dims]
+    if len(set(wrapped)) != len(wrapped):
+        d = next(d for d in wrapped if wrapped.count(d) > 1)
+        raise RuntimeError(f"dim {d} appears multiple times in the list of dims")
+    return tuple(sorted(wrapped)) if x.ndim else ()
 
 
 def _sum_dtype(self: Any, dtype: Any) -> Any:
@@ -49,13 +70,541 @@ def _check_nonempty(op: str, self: Any) -> None:
         )
 
 
-@lower("min", variants=False)
+@lower("min")
 def min_(self: Any) -> Any:
     _check_nonempty("min", self)
     return jnp.min(self)
 
 
-@lower("max", variants=False)
+@lower("max")
 def max_(self: Any) -> Any:
     _check_nonempty("max", self)
     return jnp.max(self)
+
+
+def _is_int(x: Any) -> bool:
+    return x.dtype == jnp.bool_ or jnp.issubdtype(x.dtype, jnp.integer)
+
+
+def _is_float(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _acc_dtype(x: Any, dtype: Any) -> Any:
+    """sum/prod result dtype: the requested one, else int64 for integers and bool, else the input's."""
+    if dtype is not None:
+        return _runtime.jax_dtype(dtype)
+    return jnp.int64 if _is_int(x) else x.dtype
+
+
+def _opmath(x: Any) -> Any:
+    """Reduced-precision floats are computed in float32, as PyTorch's CPU kernels do."""
+    return x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x
+
+
+def _check_nonzero_dims(op: str, x: Any, axes: Sequence[int]) -> None:
+    for a in axes:
+        if x.shape[a] == 0:
+            raise IndexError(f"{op}(): Expected reduction dim {a} to have non-zero size.")
+    if not axes and x.size == 0:
+        raise IndexError(f"{op}(): Expected reduction dim to be specified for input.numel() == 0.")
+
+
+def _nan_to_max(x: Any) -> Any:
+    """A sort key where every NaN compares largest and -0.0 equals 0.0 (PyTorch's ordering)."""
+    if not _is_float(x):
+        return x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
+    return jnp.where(jnp.isnan(x), jnp.array(jnp.nan, x.dtype), x + jnp.zeros((), x.dtype))
+
+
+def _sort(x: Any, axis: int, descending: bool) -> tuple[Any, Any]:
+    """Stable sort along `axis`: (values, int64 indices); equal elements keep their order either way."""
+    n = x.shape[axis]
+    iota = lax.broadcasted_iota(jnp.int64, x.shape, axis)
+    src = jnp.flip(x, axis) if descending else x
+    _, values, idx = lax.sort((_nan_to_max(src), src, iota), dimension=axis, is_stable=True, num_keys=1)
+    if descending:
+        values, idx = jnp.flip(values, axis), n - 1 - jnp.flip(idx, axis)
+    return values, idx
+
+
+def _arg_extreme(x: Any, axis: int, largest: bool) -> Any:
+    """Index of the first max (min) along `axis`, NaN counting as the extreme."""
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    return (jnp.argmax if largest else jnp.argmin)(x, axis=axis).astype(jnp.int64)
+
+
+def _keep(v: Any, axes: Sequence[int], keepdim: bool) -> Any:
+    return jnp.expand_dims(v, tuple(axes)) if keepdim and axes else v
+
+
+# ---- max/min family ----
+
+
+def _amax_amin(op: str, self: Any, dim: Sequence[int], keepdim: bool) -> Any:
+    axes = _axes(self, dim)
+    if self.size == 0:
+        for a in axes or (0,):
+            if self.ndim == 0 or self.shape[a] == 0:
+                raise IndexError(f"{op}(): Expected reduction dim {a} to have non-zero size.")
+    fn = jnp.max if op == "amax" else jnp.min
+    return fn(self, axis=axes, keepdims=keepdim)
+
+
+@lower("amax")
+def amax(self: Any, dim: Sequence[int] = (), keepdim: bool = False) -> Any:
+    return _amax_amin("amax", self, dim, keepdim)
+
+
+@lower("amin")
+def amin(self: Any, dim: Sequence[int] = (), keepdim: bool = False) -> Any:
+    return _amax_amin("amin", self, dim, keepdim)
+
+
+@lower("aminmax")
+def aminmax(self: Any, dim: int | None = None, keepdim: bool = False) -> tuple[Any, Any]:
+    axes = _axes(self, dim)
+    if self.size == 0 and (dim is None or self.ndim == 0 or self.shape[axes[0]] == 0):
+        raise RuntimeError("aminmax(): cannot compute aminmax over an empty dimension as the operation has no identity.")
+    if dim is None and keepdim:
+        axes = tuple(range(self.ndim))
+    return jnp.min(self, axis=axes, keepdims=keepdim), jnp.max(self, axis=axes, keepdims=keepdim)
+
+
+def _argext(op: str, self: Any, dim: int | None, keepdim: bool, largest: bool) -> Any:
+    if dim is None:
+        _check_nonzero_dims(op, self, ())
+        idx = _arg_extreme(self.reshape(-1), 0, largest)
+        return idx.reshape((1,) * self.ndim) if keepdim else idx
+    axis = _wrap_dim(dim, self.ndim)
+    if self.ndim == 0:
+        return jnp.zeros((), jnp.int64)
+    _check_nonzero_dims(op, self, (axis,))
+    return _keep(_arg_extreme(self, axis, largest), (axis,), keepdim)
+
+
+@lower("argmax")
+def argmax(self: Any, dim: int | None = None, keepdim: bool = False) -> Any:
+    return _argext("argmax", self, dim, keepdim, True)
+
+
+@lower("argmin")
+def argmin(self: Any, dim: int | None = None, keepdim: bool = False) -> Any:
+    return _argext("argmin", self, dim, keepdim, False)
+
+
+def _ext_dim(op: str, self: Any, dim: int, keepdim: bool, largest: bool) -> tuple[Any, Any]:
+    axis = _wrap_dim(dim, self.ndim)
+    if self.ndim == 0:
+        return self, jnp.zeros((), jnp.int64)
+    _check_nonzero_dims(op, self, (axis,))
+    idx = _arg_extreme(self, axis, largest)
+    values = jnp.take_along_axis(self, jnp.expand_dims(idx, axis), axis=axis).squeeze(axis)
+    return _keep(values, (axis,), keepdim), _keep(idx, (axis,), keepdim)
+
+
+@lower("max.dim")
+def max_dim(self: Any, dim: int, keepdim: bool = False) -> tuple[Any, Any]:
+    return _ext_dim("max", self, dim, keepdim, True)
+
+
+@lower("min.dim")
+def min_dim(self: Any, dim: int, keepdim: bool = False) -> tuple[Any, Any]:
+    return _ext_dim("min", self, dim, keepdim, False)
+
+
+# ---- products, statistics and norms ----
+
+
+@lower("prod", "prod.dim_int")
+def prod(self: Any, dim: int | None = None, keepdim: bool = False, dtype: Any = None) -> Any:
+    out = _acc_dtype(self, dtype)
+    axes = _axes(self, dim)
+    return jnp.prod(self.astype(out), axis=axes, keepdims=keepdim and dim is not None)
+
+
+@lower("nansum")
+def nansum(self: Any, dim: Sequence[int] | None = None, keepdim: bool = False, dtype: Any = None) -> Any:
+    out = _acc_dtype(self, dtype)
+    x = jnp.where(jnp.isnan(self), jnp.zeros((), self.dtype), self) if _is_float(self) else self
+    return jnp.sum(x.astype(out), axis=_axes(self, dim), keepdims=keepdim)
+
+
+def _var_mean(op: str, self: Any, dim: Sequence[int] | None, correction: Any, keepdim: bool) -> tuple[Any, Any]:
+    if not _is_float(self):
+        raise RuntimeError(f"{op}(): input dtype should be either floating point or complex. Got {_name(self.dtype)} instead.")
+    axes = _axes(self, dim)
+    x = _opmath(self)
+    n = 1
+    for a in axes:
+        n *= self.shape[a]
+    mean = jnp.mean(x, axis=axes, keepdims=True) if n else jnp.full((1,) * x.ndim, jnp.nan, x.dtype)
+    c = 1 if correction is None else correction
+    dof = jnp.maximum(jnp.asarray(n, x.real.dtype) - c, 0)
+    var = jnp.sum(jnp.abs(x - mean) ** 2, axis=axes, keepdims=keepdim) / dof
+    mean = mean if keepdim else jnp.squeeze(mean, axes)
+    real = self.real.dtype if jnp.iscomplexobj(self) else self.dtype
+    return var.astype(real), mean.astype(self.dtype)
+
+
+@lower("var.correction")
+def var(self: Any, dim: Sequence[int] | None = None, correction: Any = None, keepdim: bool = False) -> Any:
+    return _var_mean("var", self, dim, correction, keepdim)[0]
+
+
+@lower("std.correction")
+def std(self: Any, dim: Sequence[int] | None = None, correction: Any = None, keepdim: bool = False) -> Any:
+    v = _var_mean("std", self, dim, correction, keepdim)[0]
+    return jnp.sqrt(_opmath(v)).astype(v.dtype)
+
+
+@lower("var_mean.correction")
+def var_mean(self: Any, dim: Sequence[int] | None = None, correction: Any = None, keepdim: bool = False) -> tuple[Any, Any]:
+    return _var_mean("var_mean", self, dim, correction, keepdim)
+
+
+@lower("std_mean.correction")
+def std_mean(self: Any, dim: Sequence[int] | None = None, correction: Any = None, keepdim: bool = False) -> tuple[Any, Any]:
+    v, m = _var_mean("std_mean", self, dim, correction, keepdim)
+    return jnp.sqrt(_opmath(v)).astype(v.dtype), m
+
+
+@lower("linalg_vector_norm")
+def linalg_vector_norm(self: Any, ord: Any = 2, dim: Sequence[int] | None = None, keepdim: bool = False,
+                       dtype: Any = None) -> Any:
+    if not _is_float(self):
+        raise RuntimeError(
+            f"linalg.vector_norm: Expected a floating point or complex tensor as input. Got {_name(self.dtype)}"
+        )
+    x = self.astype(_runtime.jax_dtype(dtype)) if dtype is not None else self
+    out_dtype = x.real.dtype
+    a = jnp.abs(_opmath(x))
+    axes = _axes(self, dim)
+    p = jnp.asarray(ord, a.dtype)
+    kw = {"axis": axes, "keepdims": keepdim}
+    # `ord` is traced, so every branch is computed and the right one selected.
+    inf = jnp.max(a, initial=0, **kw)
+    ninf = jnp.min(a, initial=jnp.inf, **kw)
+    zero = jnp.sum((a != 0).astype(a.dtype), **kw)
+    one = jnp.sum(a, **kw)
+    two = jnp.sqrt(jnp.sum(a * a, **kw))
+    safe_p = jnp.where((p == 0) | jnp.isinf(p), 1, p)
+    general = jnp.sum(a ** safe_p, **kw) ** (1 / safe_p)
+    r = jnp.where(p == jnp.inf, inf, jnp.where(p == -jnp.inf, ninf, jnp.where(
+        p == 0, zero, jnp.where(p == 1, one, jnp.where(p == 2, two, general)))))
+    return r.astype(out_dtype)
+
+
+@lower("logsumexp")
+def logsumexp(self: Any, dim: Sequence[int], keepdim: bool = False) -> Any:
+    x = self.astype(jnp.float32) if _is_int(self) else self
+    axes = _axes(self, dim)
+    return jax.scipy.special.logsumexp(_opmath(x), axis=axes, keepdims=keepdim).astype(x.dtype)
+
+
+# ---- all / any / count_nonzero ----
+
+
+def _bool_reduce(fn: Any, self: Any, axes: tuple[int, ...], keepdim: bool) -> Any:
+    r = fn(self != 0, axis=axes, keepdims=keepdim)
+    return r.astype(jnp.uint8) if self.dtype == jnp.uint8 else r
+
+
+@lower("all", "all.dim")
+def all_(self: Any, dim: int | None = None, keepdim: bool = False) -> Any:
+    return _bool_reduce(jnp.all, self, _axes(self, dim), keepdim and dim is not None)
+
+
+@lower("all.dims")
+def all_dims(self: Any, dim: Sequence[int] | None = None, keepdim: bool = False) -> Any:
+    return _bool_reduce(jnp.all, self, _axes(self, dim, empty_is_all=False), keepdim)
+
+
+@lower("any", "any.dim")
+def any_(self: Any, dim: int | None = None, keepdim: bool = False) -> Any:
+    return _bool_reduce(jnp.any, self, _axes(self, dim), keepdim and dim is not None)
+
+
+@lower("any.dims")
+def any_dims(self: Any, dim: Sequence[int] | None = None, keepdim: bool = False) -> Any:
+    return _bool_reduce(jnp.any, self, _axes(self, dim, empty_is_all=False), keepdim)
+
+
+@lower("count_nonzero", "count_nonzero.dim_IntList")
+def count_nonzero(self: Any, dim: Sequence[int] | int | None = None) -> Any:
+    return jnp.sum((self != 0).astype(jnp.int64), axis=_axes(self, dim))
+
+
+# ---- scans ----
+
+
+def _scan_axis(self: Any, dim: int) -> int:
+    return _wrap_dim(dim, self.ndim)
+
+
+@lower("cumsum")
+def cumsum(self: Any, dim: int, dtype: Any = None) -> Any:
+    axis = _scan_axis(self, dim)
+    x = self.astype(_acc_dtype(self, dtype))
+    return x if x.ndim == 0 else jnp.cumsum(_opmath(x), axis=axis).astype(x.dtype)
+
+
+@lower("cumprod")
+def cumprod(self: Any, dim: int, dtype: Any = None) -> Any:
+    axis = _scan_axis(self, dim)
+    x = self.astype(_acc_dtype(self, dtype))
+    return x if x.ndim == 0 else jnp.cumprod(_opmath(x), axis=axis).astype(x.dtype)
+
+
+def _cum_extreme(self: Any, dim: int, largest: bool) -> tuple[Any, Any]:
+    """Running max/min with the index of its latest occurrence; NaN is sticky (PyTorch's cummax/cummin)."""
+    axis = _scan_axis(self, dim)
+    if self.ndim == 0:
+        return self, jnp.zeros((), jnp.int64)
+    if self.size == 0:
+        return self, jnp.zeros(self.shape, jnp.int64)
+    idx = lax.broadcasted_iota(jnp.int64, self.shape, axis)
+    isnan = jnp.isnan if _is_float(self) else (lambda v: jnp.zeros(v.shape, jnp.bool_))
+
+    def combine(a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[Any, Any]:
+        (va, ia), (vb, ib) = a, b
+        better = (vb >= va) if largest else (vb <= va)
+        take_b = isnan(vb) | (~isnan(va) & better)
+        return jnp.where(take_b, vb, va), jnp.where(take_b, ib, ia)
+
+    return lax.associative_scan(combine, (self, idx), axis=axis)
+
+
+@lower("cummax")
+def cummax(self: Any, dim: int) -> tuple[Any, Any]:
+    return _cum_extreme(self, dim, True)
+
+
+@lower("cummin")
+def cummin(self: Any, dim: int) -> tuple[Any, Any]:
+    return _cum_extreme(self, dim, False)
+
+
+@lower("logcumsumexp")
+def logcumsumexp(self: Any, dim: int) -> Any:
+    axis = _scan_axis(self, dim)
+    if self.ndim == 0 or self.size == 0:
+        return self
+    x = _opmath(self)
+
+    def combine(a: Any, b: Any) -> Any:
+        m = jnp.maximum(a, b)
+        m = jnp.where(jnp.isinf(m), 0, m)  # -inf + -inf and inf + inf stay finite-safe
+        return m + jnp.log(jnp.exp(a - m) + jnp.exp(b - m))
+
+    return lax.associative_scan(combine, x, axis=axis).astype(self.dtype)
+
+
+# ---- sorting and selection ----
+
+
+@lower("sort.stable")
+def sort(self: Any, stable: bool | None = None, dim: int = -1, descending: bool = False) -> tuple[Any, Any]:
+    axis = _wrap_dim(dim, self.ndim)
+    if self.ndim == 0:
+        return self, jnp.zeros((), jnp.int64)
+    return _sort(self, axis, descending)
+
+
+@lower("sort")
+def sort_default(self: Any, dim: int = -1, descending: bool = False) -> tuple[Any, Any]:
+    return sort(self, None, dim, descending)
+
+
+@lower("topk")
+def topk(self: Any, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> tuple[Any, Any]:
+    axis = _wrap_dim(dim, self.ndim)
+    size = self.shape[axis] if self.ndim else 1
+    if not 0 <= k <= size:
+        raise RuntimeError("selected index k out of range")
+    if self.ndim == 0:
+        return self, jnp.zeros((), jnp.int64)
+    values, idx = _sort(self, axis, largest)
+    return lax.slice_in_dim(values, 0, k, axis=axis), lax.slice_in_dim(idx, 0, k, axis=axis)
+
+
+def _select(self: Any, pos: Any, axis: int, keepdim: bool) -> tuple[Any, Any]:
+    """The element at sorted position `pos` (int or array broadcastable along the reduced axis)."""
+    values, idx = _sort(self, axis, False)
+    p = jnp.expand_dims(jnp.broadcast_to(jnp.asarray(pos), values.shape[:axis] + values.shape[axis + 1:]), axis)
+    v = jnp.take_along_axis(values, p, axis=axis)
+    i = jnp.take_along_axis(idx, p, axis=axis)
+    return (v, i) if keepdim else (v.squeeze(axis), i.squeeze(axis))
+
+
+@lower("kthvalue")
+def kthvalue(self: Any, k: int, dim: int = -1, keepdim: bool = False) -> tuple[Any, Any]:
+    axis = _wrap_dim(dim, self.ndim)
+    if self.ndim == 0:
+        if k != 1:
+            raise IndexError(f"kthvalue(): selected number k out of range for dimension {axis}")
+        return self, jnp.zeros((), jnp.int64)
+    _check_nonzero_dims("kthvalue", self, (axis,))
+    if not 1 <= k <= self.shape[axis]:
+        raise IndexError(f"kthvalue(): selected number k out of range for dimension {axis}")
+    return _select(self, k - 1, axis, keepdim)
+
+
+def _median_pos(self: Any, axis: int, ignore_nan: bool) -> Any:
+    """Sorted position of the (lower) median: the first NaN when NaN propagates, else the middle."""
+    n = self.shape[axis]
+    if not _is_float(self):
+        return (n - 1) // 2
+    nans = jnp.sum(jnp.isnan(self), axis=axis)
+    valid = n - nans
+    if ignore_nan:
+        return jnp.maximum((valid - 1) // 2, 0)
+    return jnp.where(nans > 0, valid, (n - 1) // 2)
+
+
+@lower("median")
+def median(self: Any) -> Any:
+    if self.size == 0:
+        return jnp.array(jnp.nan, self.dtype)
+    flat = self.reshape(-1)
+    return _select(flat, _median_pos(flat, 0, False), 0, False)[0]
+
+
+@lower("nanmedian")
+def nanmedian(self: Any) -> Any:
+    if self.size == 0:
+        return jnp.array(jnp.nan, self.dtype)
+    flat = self.reshape(-1)
+    return _select(flat, _median_pos(flat, 0, True), 0, False)[0]
+
+
+def _median_dim(op: str, self: Any, dim: int, keepdim: bool, ignore_nan: bool) -> tuple[Any, Any]:
+    axis = _wrap_dim(dim, self.ndim)
+    if self.ndim == 0:
+        return self, jnp.zeros((), jnp.int64)
+    _check_nonzero_dims(op, self, (axis,))
+    return _select(self, _median_pos(self, axis, ignore_nan), axis, keepdim)
+
+
+@lower("median.dim")
+def median_dim(self: Any, dim: int, keepdim: bool = False) -> tuple[Any, Any]:
+    return _median_dim("median", self, dim, keepdim, False)
+
+
+@lower("nanmedian.dim")
+def nanmedian_dim(self: Any, dim: int, keepdim: bool = False) -> tuple[Any, Any]:
+    return _median_dim("nanmedian", self, dim, keepdim, True)
+
+
+@lower("mode")
+def mode(self: Any, dim: int = -1, keepdim: bool = False) -> tuple[Any, Any]:
+    """Most frequent value (the smallest on a tie) and the index of its last occurrence."""
+    axis = _wrap_dim(dim, self.ndim)
+    if self.ndim == 0:
+        return self, jnp.zeros((), jnp.int64)
+    _check_nonzero_dims("mode", self, (axis,))
+    x = jnp.moveaxis(self, axis, -1)
+    values, idx = _sort(x, x.ndim - 1, False)
+    pos = lax.broadcasted_iota(jnp.int64, values.shape, values.ndim - 1)
+    starts = jnp.concatenate([jnp.ones(values.shape[:-1] + (1,), jnp.bool_),
+                              values[..., 1:] != values[..., :-1]], axis=-1)
+    run_start = lax.cummax(jnp.where(starts, pos, 0), axis=values.ndim - 1)
+    count = pos - run_start + 1
+    # The longest run's end; among equal lengths the first, i.e. the smallest value.
+    best = jnp.argmax(count, axis=-1, keepdims=True)
+    v = jnp.take_along_axis(values, best, axis=-1)[..., 0]
+    i = jnp.take_along_axis(idx, best, axis=-1)[..., 0]
+    return _keep(v, (axis,), keepdim), _keep(i, (axis,), keepdim)
+
+
+# ---- searching and histograms ----
+
+
+def _searchsorted(seq: Any, values: Any, right: bool, side: str | None, sorter: Any, out_int32: bool,
+                  scalar: bool) -> Any:
+    if side is not None:
+        if side not in ("left", "right"):
+            raise RuntimeError(f"torch.searchsorted(): side can only be 'left' or 'right' but got {side}")
+        if right and side == "left":
+            raise RuntimeError(
+                "torch.searchsorted(): side and right can't be set to opposites, got side of left while right was True"
+            )
+        right = side == "right"
+    if sorter is not None:
+        if sorter.shape != seq.shape:
+            raise RuntimeError("torch.searchsorted(): boundary and sorter must have the same size, but got "
+                               f"boundary tensor {list(seq.shape)}and got sorter tensor {list(sorter.shape)}")
+        seq = jnp.take_along_axis(seq, sorter.astype(jnp.int64), axis=-1)
+    if seq.ndim > 1 and (values.ndim != seq.ndim or values.shape[:-1] != seq.shape[:-1]):
+        if not scalar:
+            raise RuntimeError(
+                "torch.searchsorted(): boundaries tensor should be 1 dimension or the first N-1 dimensions of "
+                "boundaries tensor and input value tensor must match, but we got boundaries tensor "
+                f"{list(seq.shape)} and input value tensor {list(values.shape)}"
+            )
+    dtype = result_dtype(seq, values)
+    seq, values = seq.astype(dtype), values.astype(dtype)
+    out = jnp.int32 if out_int32 else jnp.int64
+    s = "right" if right else "left"
+    if seq.ndim <= 1:
+        return jnp.searchsorted(seq.reshape(-1), values, side=s).astype(out)
+    lead = seq.shape[:-1]
+    flat_seq = seq.reshape((-1, seq.shape[-1]))
+    flat_val = values.reshape((flat_seq.shape[0], -1))
+    r = jax.vmap(lambda a, v: jnp.searchsorted(a, v, side=s))(flat_seq, flat_val)
+    return r.reshape(lead + values.shape[-1:]).astype(out)
+
+
+@lower("searchsorted.Tensor")
+def searchsorted(sorted_sequence: Any, self: Any, out_int32: bool = False, right: bool = False,
+                 side: str | None = None, sorter: Any = None) -> Any:
+    return _searchsorted(sorted_sequence, self, right, side, sorter, out_int32, False)
+
+
+@lower("searchsorted.Scalar")
+def searchsorted_scalar(sorted_sequence: Any, self: Any, out_int32: bool = False, right: bool = False,
+                        side: str | None = None, sorter: Any = None) -> Any:
+    if sorted_sequence.ndim != 1:
+        raise RuntimeError(
+            "torch.searchsorted(): input value can be a scalar only when boundaries tensor dimension is 1, "
+            f"but we got boundaries tensor dim({sorted_sequence.ndim}) and input value's dim(0) numel(1)"
+        )
+    return _searchsorted(sorted_sequence, jnp.asarray(self), right, side, sorter, out_int32, True)
+
+
+@lower("bucketize.Tensor")
+def bucketize(self: Any, boundaries: Any, out_int32: bool = False, right: bool = False) -> Any:
+    if boundaries.ndim != 1:
+        raise RuntimeError(f"boundaries tensor must be 1 dimension, but got dim({boundaries.ndim})")
+    return _searchsorted(boundaries, self, right, None, None, out_int32, False)
+
+
+@lower("bucketize.Scalar")
+def bucketize_scalar(self: Any, boundaries: Any, out_int32: bool = False, right: bool = False) -> Any:
+    if boundaries.ndim != 1:
+        raise RuntimeError(f"boundaries tensor must be 1 dimension, but got dim({boundaries.ndim})")
+    return _searchsorted(boundaries, jnp.asarray(self), right, None, None, out_int32, True)
+
+
+@lower("histc")
+def histc(self: Any, bins: int = 100, min: Any = 0, max: Any = 0) -> Any:
+    if not _is_float(self):
+        raise RuntimeError(f'"histogram_cpu" not implemented for \'{_name(self.dtype)}\'')
+    if bins <= 0:
+        raise RuntimeError(f"torch.histc(): bins must be > 0, but got {bins} for dimension 0")
+    x = _opmath(self).reshape(-1)
+    lo = jnp.asarray(min, self.dtype).astype(x.dtype)
+    hi = jnp.asarray(max, self.dtype).astype(x.dtype)
+    empty = x.size == 0
+    data_lo = jnp.min(x, initial=jnp.inf) if not empty else jnp.zeros((), x.dtype)
+    data_hi = jnp.max(x, initial=-jnp.inf) if not empty else jnp.zeros((), x.dtype)
+    same = lo == hi
+    lo, hi = jnp.where(same, data_lo, lo), jnp.where(same, data_hi, hi)
+    same = lo == hi
+    lo, hi = jnp.where(same, lo - 1, lo), jnp.where(same, hi + 1, hi)
+    inside = (x >= lo) & (x <= hi)
+    pos = jnp.floor((x - lo) * bins / (hi - lo))
+    pos = jnp.clip(jnp.where(inside, pos, 0), 0, bins - 1).astype(jnp.int32)
+    counts = jnp.zeros((bins,), x.dtype).at[pos].add(inside.astype(x.dtype))
+    return counts.astype(self.dtype)

@@ -402,15 +402,19 @@ def _check_same_shape(op: str, target: torch.Tensor, out: Any) -> None:
 
 def _check_cast(op: str, result: torch.dtype, target: torch.dtype) -> None:
     if not torch.can_cast(result, target):
-        raise RuntimeError(f"result type {_short(result)} can't be cast to the desired output type {_short(target)}")
+        raise RuntimeError(f"result type {dtype_name(result)} can't be cast to the desired output type {dtype_name(target)}")
 
 
-def _short(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """PyTorch's short dtype name used in its error messages ("Float", "Long", ...)."""
     return {
         torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
         torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char",
         torch.uint8: "Byte", torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
     }.get(dtype, str(dtype))
+
+
+_short = dtype_name  # transitional alias; kernels use dtype_name
 
 
 # ---- installation ----
