@@ -55,7 +55,10 @@ def div_mode(self: Any, other: Any, rounding_mode: str | None = None) -> Any:
     if rounding_mode is None:
         return self / other
     if rounding_mode == "trunc":
-        return lax.div(self, other) if _is_int(self) else jnp.trunc(self / other)
+        if _is_int(self):
+            a, b = jnp.broadcast_arrays(self, other)
+            return lax.div(a, b)
+        return jnp.trunc(self / other)
     if rounding_mode == "floor":
         return jnp.floor_divide(self, other)
     raise RuntimeError(

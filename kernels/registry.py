@@ -122,24 +122,34 @@ def _overload(name: str) -> Any:
     return getattr(getattr(torch.ops.aten, base), overload or "default")
 
 
+def _same_signature(a: Any, b: Any) -> bool:
+    """Same argument names and types, ignoring out= arguments (and mutability annotations)."""
+    def sig(schema: Any) -> list[tuple[str, str]]:
+        return [(arg.name, str(arg.type)) for arg in schema.arguments if not arg.is_out]
+
+    return sig(a) == sig(b)
+
+
 def _find_variants(op: Any) -> tuple[Any | None, Any | None]:
-    """The in-place (`add_.Tensor`) and out= (`add.out`) overloads of a functional overload, if any."""
+    """The in-place (`add_.Tensor`) and out= (`add.out`) overloads of a functional overload, if any: the
+    overloads of `base_` and `base` whose arguments match the functional's by name and type."""
     schema = op._schema
     base = schema.name.split("::")[1]
-    names = [a.name for a in schema.arguments]
     inplace = None
     packet = getattr(torch.ops.aten, base + "_", None)
-    if packet is not None and (schema.overload_name or "default") in packet.overloads():
-        inplace = getattr(packet, schema.overload_name or "default")
+    if packet is not None:
+        for ov in packet.overloads():
+            cand = getattr(packet, ov)
+            if _same_signature(cand._schema, schema):
+                inplace = cand
+                break
     out = None
     for ov in getattr(torch.ops.aten, base).overloads():
         cand = getattr(getattr(torch.ops.aten, base), ov)
-        args = cand._schema.arguments
-        outs = [a for a in args if a.is_out]
-        if len(outs) == len(schema.returns) and [a.name for a in args if not a.is_out] == names:
-            if [str(a.type) for a in args if not a.is_out] == [str(a.type) for a in schema.arguments]:
-                out = cand
-                break
+        outs = [a for a in cand._schema.arguments if a.is_out]
+        if len(outs) == len(schema.returns) and outs and _same_signature(cand._schema, schema):
+            out = cand
+            break
     return inplace, out
 
 
@@ -266,6 +276,7 @@ class OpKernel:
             if callable(kind):
                 kind = kind(**{n: static[i] for i, n in enumerate(names) if kinds[i] == STATIC})
             if kind is not None:
+                _check_broadcast(self.name, [vals[i] for i in promote_idx if vals[i] is not None])
                 present = tuple(i for i in promote_idx if vals[i] is not None)
                 compute, result_dtype = _promote([vals[i] for i in present], static, present, kind)
                 for i in present:
@@ -374,6 +385,25 @@ def _promote(operands: list, static: tuple, idx: tuple, kind: Any) -> tuple[Any,
     return _runtime.jax_dtype(compute), _runtime.jax_dtype(result)
 
 
+def _check_broadcast(op: str, operands: list) -> None:
+    """PyTorch's broadcast error for elementwise operands whose shapes do not broadcast."""
+    shapes = [tuple(jnp.shape(x)) for x in operands]
+    if len(shapes) < 2:
+        return
+    acc = shapes[0]
+    for other in shapes[1:]:
+        n = max(len(acc), len(other))
+        a = (1,) * (n - len(acc)) + acc
+        b = (1,) * (n - len(other)) + other
+        for i in range(n - 1, -1, -1):
+            if a[i] != b[i] and a[i] != 1 and b[i] != 1:
+                raise RuntimeError(
+                    f"The size of tensor a ({a[i]}) must match the size of tensor b ({b[i]}) at non-singleton "
+                    f"dimension {i}"
+                )
+        acc = tuple(max(x, y) if min(x, y) != 0 else 0 for x, y in zip(a, b))
+
+
 def result_dtype(*arrays: Any, kind: Any = DEFAULT) -> Any:
     """PyTorch's promoted dtype of several arrays (all treated as dimensioned tensors), as a JAX dtype."""
     proxies = [torch.empty((1,) * max(a.ndim, 1), dtype=_runtime.torch_dtype(a.dtype), device="meta") for a in arrays]
@@ -414,7 +444,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     }.get(dtype, str(dtype))
 
 
-_short = dtype_name  # transitional alias; kernels use dtype_name
 
 
 # ---- installation ----
