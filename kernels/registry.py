@@ -53,6 +53,7 @@ class Lowering:
     promote_args: tuple[str, ...]
     jit: bool  # False for data-dependent output shapes (run eagerly on concrete arrays)
     variants: bool  # also install the in-place and out= forms
+    cpu_tensors: bool = False  # CPU tensor arguments (e.g. index tensors) are moved to the device, as on CUDA
 
 
 LOWERINGS: dict[str, Lowering] = {}
@@ -66,12 +67,13 @@ def lower(
     promote_args: Sequence[str] = ("self", "other"),
     jit: bool = True,
     variants: bool = True,
+    cpu_tensors: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         for name in names:
             if name in LOWERINGS or name in DIRECT:
                 raise RuntimeError(f"torch_tpu: aten::{name} is registered twice")
-            LOWERINGS[name] = Lowering(name, fn, promote, tuple(promote_args), jit, variants)
+            LOWERINGS[name] = Lowering(name, fn, promote, tuple(promote_args), jit, variants, cpu_tensors)
         return fn
 
     return deco
@@ -245,7 +247,7 @@ class OpKernel:
         has_arrays = index >= 0
         if index < 0:
             index = _C._current_device()
-        for i, d in enumerate(dyn):  # CPU 0-dim tensors go to the op's device
+        for i, d in enumerate(dyn):  # CPU tensors allowed above go to the op's device
             if isinstance(d, torch.Tensor):
                 dyn[i] = _runtime.upload(d, index)
             elif isinstance(d, list) and any(isinstance(t, torch.Tensor) for t in d):
@@ -258,8 +260,8 @@ class OpKernel:
             if index >= 0 and d.index != index:
                 raise _device_mismatch(self.name, dev, d)
             return d.index, d
-        if d.type == "cpu" and t.dim() == 0:
-            return index, dev  # CPU scalars mix with device tensors, as on CUDA
+        if d.type == "cpu" and (t.dim() == 0 or self.lowering.cpu_tensors):
+            return index, dev  # CPU scalars (and, where allowed, index tensors) mix with device tensors, as on CUDA
         raise _device_mismatch(self.name, dev if dev is not None else torch.device("tpu", _C._current_device()), d)
 
     # -- tracing --
@@ -494,3 +496,5 @@ def registered_overloads() -> list[str]:
 
 def numel(shape: Sequence[int]) -> int:
     return math.prod(shape)
+
+_short = dtype_name  # transitional alias while kernel modules move to dtype_name

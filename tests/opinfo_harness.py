@@ -144,9 +144,16 @@ def check_out(op: Any, sample: Any, dtype: torch.dtype, what: str) -> None:
     # What CPU returns from out= (the out tensors themselves, or None for list outs) is what tpu must return.
     cpu_out = tree_map(torch.empty_like, expected)
     cpu_sample = sample.transform(_clone)
-    cpu_result = op(cpu_sample.input, *cpu_sample.args, out=cpu_out, **cpu_sample.kwargs)
     out = tree_map(lambda t: torch.empty_like(t, device="tpu"), expected)
     tpu_sample = _tpu_sample(op, sample)
+    try:
+        cpu_result = op(cpu_sample.input, *cpu_sample.args, out=cpu_out, **cpu_sample.kwargs)
+    except (TypeError, RuntimeError) as e:  # CPU rejects this out= (e.g. a tuple out): tpu must reject it too
+        try:
+            op(tpu_sample.input, *tpu_sample.args, out=out, **tpu_sample.kwargs)
+        except type(e):
+            return
+        raise AssertionError(f"{what}: CPU raises {type(e).__name__} for this out=, tpu does not") from None
     result = op(tpu_sample.input, *tpu_sample.args, out=out, **tpu_sample.kwargs)
     if cpu_result is None:
         if result is not None:
