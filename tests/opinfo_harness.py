@@ -120,11 +120,24 @@ def _aliases(out: Any, inputs: list) -> list[bool]:
             for o in tree_flatten(out)[0]]
 
 
+def _random_sample(sample: Any) -> bool:
+    """Samples that draw random numbers (attention with dropout): values cannot match CPU's stream."""
+    p = sample.kwargs.get("dropout_p", 0.0)
+    return isinstance(p, (int, float)) and p > 0 and sample.kwargs.get("training", True)
+
+
 def check_sample(op: Any, sample: Any, dtype: torch.dtype, what: str) -> None:
-    check_values = op.name not in UNCHECKED_VALUES and op_id(op) not in UNCHECKED_VALUES
+    check_values = (op.name not in UNCHECKED_VALUES and op_id(op) not in UNCHECKED_VALUES
+                    and not _random_sample(sample))
     cpu_sample = sample.transform(_clone)
     tpu_sample = _tpu_sample(op, sample)
-    expected = op(cpu_sample.input, *cpu_sample.args, **cpu_sample.kwargs)
+    try:
+        expected = op(cpu_sample.input, *cpu_sample.args, **cpu_sample.kwargs)
+    except RuntimeError as e:
+        # The CPU kernel rejects this sample (e.g. a contiguity requirement of its own): it is no reference.
+        if "is_contiguous" in str(e):
+            return
+        raise
     actual = op(tpu_sample.input, *tpu_sample.args, **tpu_sample.kwargs)
     _compare(actual, expected, dtype, check_values, what)
     if _aliases(expected, _sample_tensors(cpu_sample)) != _aliases(actual, _sample_tensors(tpu_sample)):
