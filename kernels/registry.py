@@ -497,4 +497,3 @@ def registered_overloads() -> list[str]:
 def numel(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
-_short = dtype_name  # transitional alias while kernel modules move to dtype_name
