@@ -394,3 +394,48 @@ def eye_m_out(n: int, m: int, *, out: torch.Tensor) -> torch.Tensor:
 @direct("eye.out")
 def eye_out(n: int, *, out: torch.Tensor) -> torch.Tensor:
     return eye_m_out(n, n, out=out)
+
+
+@functools.lru_cache(maxsize=256)
+def _multinomial(rows: int, cats: int, num_samples: int, replacement: bool, index: int) -> Any:
+    def draw(seed: Any, offset: Any, probs: Any) -> Any:
+        key = _key(seed, offset)
+        logits = jnp.log(probs.astype(jnp.float64))
+        if replacement:
+            return jax.random.categorical(key, logits, axis=-1, shape=(num_samples, rows)).T
+        # Without replacement: the top num_samples of logits + Gumbel noise (the Gumbel-top-k trick).
+        noisy = logits + jax.random.gumbel(key, (rows, cats), jnp.float64)
+        return jnp.argsort(-noisy, axis=-1, stable=True)[:, :num_samples]
+
+    return jax.jit(draw, out_shardings=_on(index))
+
+
+@direct("multinomial")
+def multinomial(self: torch.Tensor, num_samples: int, replacement: bool = False, *,
+                generator: Any = None) -> torch.Tensor:
+    if self.dim() not in (1, 2):
+        raise RuntimeError("prob_dist must be 1 or 2 dim")
+    if not self.dtype.is_floating_point:
+        raise RuntimeError(f"multinomial only supports floating-point dtypes for input, got: {self.dtype}")
+    cats = self.shape[-1]
+    if num_samples <= 0:
+        raise RuntimeError("cannot sample n_sample <= 0 samples")
+    if not replacement and num_samples > cats:
+        raise RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without replacement")
+    probs = self.reshape(-1, cats)
+    # Value checks PyTorch makes (one host round trip).
+    if bool(((probs < 0) | ~torch.isfinite(probs)).any().item()):
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+    if bool((probs.sum(-1) <= 0).any().item()):
+        raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
+    seed, offset = _philox(generator, self)
+    fn = _multinomial(probs.shape[0], cats, num_samples, replacement, self.device.index)
+    out = torch_tpu_wrap(fn(seed, offset, _storage.read(probs)), self.device.index)
+    return out.reshape(num_samples) if self.dim() == 1 else out
+
+
+def torch_tpu_wrap(array: Any, index: int) -> torch.Tensor:
+    return _C._wrap(array.astype(jnp.int64), torch.int64, index)
+
+
+direct("multinomial.out")(_out_form(multinomial))

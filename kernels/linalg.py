@@ -185,7 +185,7 @@ def addmv(self: Any, mat: Any, vec: Any, beta: Any = 1, alpha: Any = 1) -> Any:
     return _scaled_sum(jnp.broadcast_to(self, prod.shape), prod, beta, alpha, mat.dtype)
 
 
-@lower("addr", promote=DEFAULT, promote_args=("self", "vec1", "vec2"))
+@lower("addr", promote=DEFAULT, promote_args=("self", "vec1", "vec2"), broadcasts=False)
 def addr(self: Any, vec1: Any, vec2: Any, beta: Any = 1, alpha: Any = 1) -> Any:
     if vec1.ndim != 1 or vec2.ndim != 1:
         raise RuntimeError(f"addr: Expected 1-d argument vec{1 if vec1.ndim != 1 else 2}, "

@@ -816,3 +816,24 @@ def heaviside(self: Any, values: Any) -> Any:
         raise RuntimeError("heaviside is not yet implemented for tensors with different dtypes.")
     x, v = jnp.broadcast_arrays(self, values)
     return jnp.where(x == 0, v, (x > 0).astype(x.dtype))
+
+
+# ---- building complex numbers ----
+
+
+@lower("complex")
+def complex_(real: Any, imag: Any) -> Any:
+    if real.dtype != imag.dtype or real.dtype not in (jnp.float32, jnp.float64, jnp.float16):
+        raise RuntimeError(
+            f"Expected both inputs to be Half, Float or Double tensors but got "
+            f"{dtype_name(_runtime.torch_dtype(real.dtype))} and {dtype_name(_runtime.torch_dtype(imag.dtype))}"
+        )
+    if real.dtype == jnp.float16:
+        raise RuntimeError("torch_tpu: ComplexHalf (complex32) tensors are not supported on tpu (XLA has no such type)")
+    r, i = jnp.broadcast_arrays(real, imag)
+    return lax.complex(r, i)
+
+
+@lower("polar")
+def polar(abs: Any, angle: Any) -> Any:  # noqa: A002 - ATen's argument name
+    return complex_(abs * jnp.cos(angle), abs * jnp.sin(angle))

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import torch
+
 from torch_tpu import _runtime
 from torch_tpu._jax import jax, jnp, lax
-from torch_tpu.kernels.registry import dtype_name, lower, result_dtype
+from torch_tpu.kernels.registry import direct, dtype_name, lower, result_dtype
 
 # ---- shared helpers ----
 
@@ -608,3 +610,34 @@ def histc(self: Any, bins: int = 100, min: Any = 0, max: Any = 0) -> Any:
     pos = jnp.clip(jnp.where(inside, pos, 0), 0, bins - 1).astype(jnp.int32)
     counts = jnp.zeros((bins,), x.dtype).at[pos].add(inside.astype(x.dtype))
     return counts.astype(self.dtype)
+
+
+@lower("norm.Scalar", "norm.ScalarOpt_dim", "norm.ScalarOpt_dim_dtype", "norm.ScalarOpt_dtype")
+def norm(self: Any, p: Any = 2, dim: Sequence[int] | None = None, keepdim: bool = False, dtype: Any = None) -> Any:
+    """The legacy torch.norm overloads: a vector norm over `dim` (all dims when empty)."""
+    return linalg_vector_norm(self, 2 if p is None else p, dim, keepdim, dtype)
+
+
+@lower("renorm")
+def renorm(self: Any, p: Any, dim: int, maxnorm: Any) -> Any:
+    """Rescales each slice along `dim` whose p-norm exceeds maxnorm to norm maxnorm (PyTorch's 1e-7 guard)."""
+    if not _is_float(self):
+        raise RuntimeError(f"renorm: Expected a floating point or complex tensor as input. Got {_name(self.dtype)}")
+    d = _wrap_dim(dim, self.ndim)
+    others = tuple(i for i in range(self.ndim) if i != d)
+    norms = linalg_vector_norm(self, p, others, True, None).astype(_opmath(self).dtype)
+    factor = jnp.where(norms > maxnorm, maxnorm / (norms + 1e-7), 1.0)
+    return (_opmath(self) * factor).astype(self.dtype)
+
+
+@direct("equal")
+def equal(self: torch.Tensor, other: torch.Tensor) -> bool:
+    """torch.equal: same shape and every element equal (a host-side answer, so it waits for the values)."""
+    if other.device != self.device:
+        raise RuntimeError(
+            f"Expected all tensors to be on the same device, but found at least two devices, {self.device} and "
+            f"{other.device}!"
+        )
+    if self.shape != other.shape:
+        return False
+    return bool(torch.eq(self, other).all().item())

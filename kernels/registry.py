@@ -54,6 +54,7 @@ class Lowering:
     jit: bool  # False for data-dependent output shapes (run eagerly on concrete arrays)
     variants: bool  # also install the in-place and out= forms
     cpu_tensors: bool = False  # CPU tensor arguments (e.g. index tensors) are moved to the device, as on CUDA
+    broadcasts: bool = True  # the promoted operands broadcast together (checked with PyTorch's error)
 
 
 LOWERINGS: dict[str, Lowering] = {}
@@ -68,12 +69,14 @@ def lower(
     jit: bool = True,
     variants: bool = True,
     cpu_tensors: bool = False,
+    broadcasts: bool = True,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         for name in names:
             if name in LOWERINGS or name in DIRECT:
                 raise RuntimeError(f"torch_tpu: aten::{name} is registered twice")
-            LOWERINGS[name] = Lowering(name, fn, promote, tuple(promote_args), jit, variants, cpu_tensors)
+            LOWERINGS[name] = Lowering(name, fn, promote, tuple(promote_args), jit, variants, cpu_tensors,
+                                       broadcasts)
         return fn
 
     return deco
@@ -278,7 +281,8 @@ class OpKernel:
             if callable(kind):
                 kind = kind(**{n: static[i] for i, n in enumerate(names) if kinds[i] == STATIC})
             if kind is not None:
-                _check_broadcast(self.name, [vals[i] for i in promote_idx if vals[i] is not None])
+                if lowering.broadcasts:
+                    _check_broadcast(self.name, [vals[i] for i in promote_idx if vals[i] is not None])
                 present = tuple(i for i in promote_idx if vals[i] is not None)
                 compute, result_dtype = _promote([vals[i] for i in present], static, present, kind)
                 for i in present:

@@ -1083,3 +1083,13 @@ def repeat_interleave(repeats: Any, output_size: int | None = None) -> Any:
         raise RuntimeError("repeats can not be negative")
     total = int(repeats.sum()) if output_size is None else output_size
     return _repeat_interleave_fn(total)(repeats)
+
+
+@lower("isin.Tensor_Tensor", "isin.Tensor_Scalar", "isin.Scalar_Tensor", promote=None)
+def isin(elements: Any, test_elements: Any, assume_unique: bool = False, invert: bool = False) -> Any:
+    """Membership of each element in test_elements (compared in their promoted dtype), as a bool tensor."""
+    e = jnp.asarray(elements)
+    t = jnp.asarray(test_elements).reshape(-1)
+    common = jnp.promote_types(e.dtype, t.dtype)
+    found = (e.astype(common)[..., None] == t.astype(common)).any(axis=-1) if t.size else jnp.zeros(e.shape, bool)
+    return jnp.logical_not(found) if invert else found

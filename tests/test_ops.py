@@ -219,3 +219,20 @@ def test_comparisons_reductions_and_masks() -> None:
     i = sample((4, 5), torch.int64, 3)
     torch.testing.assert_close((i.tpu() & 6).cpu(), i & 6)
     torch.testing.assert_close((~m.tpu()).cpu(), ~m)
+
+
+def test_indexing_with_cpu_index_tensors() -> None:
+    """As on CUDA, CPU index tensors index device tensors; other ops keep the strict device check."""
+    c = torch.arange(12.0).reshape(3, 4)
+    t = c.to("tpu")
+    idx = torch.tensor([2, 0])
+    mask = torch.tensor([True, False, True])
+    torch.testing.assert_close(t[idx].cpu(), c[idx])
+    torch.testing.assert_close(t[mask].cpu(), c[mask])
+    t[idx, 1] = -1.0
+    c[idx, 1] = -1.0
+    torch.testing.assert_close(t.cpu(), c)
+    with pytest.raises(IndexError, match="out of bounds"):
+        t[torch.tensor([5])]
+    with pytest.raises(RuntimeError, match="same device"):
+        torch.index_select(t, 0, idx)
