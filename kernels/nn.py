@@ -18,12 +18,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from torch._prims_common.wrappers import _maybe_resize_out
 
 from torch_tpu import _C, _runtime, _storage
 from torch_tpu._jax import jax, jnp, lax
 from torch_tpu.kernels.creation import _key, _philox
-from torch_tpu.kernels.registry import DEFAULT, direct, lower
+from torch_tpu.kernels.registry import DEFAULT, direct, lower, write_outs
 
 # ---- helpers ----
 
@@ -561,17 +560,6 @@ def _batch_norm(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tuple(_C._wrap(a, _runtime.torch_dtype(a.dtype), index) for a in _batch_norm_arrays(*args))  # type: ignore[return-value]
 
 
-def _write_outs(outs: Sequence[torch.Tensor], arrays: Sequence[Any]) -> tuple[torch.Tensor, ...]:
-    """The out= convention: cast-check, resize and write each result into its out tensor."""
-    for o, a in zip(outs, arrays):
-        result = _runtime.torch_dtype(a.dtype)
-        if not torch.can_cast(result, o.dtype):
-            raise RuntimeError(f"result type {result} can't be cast to the desired output type {o.dtype}")
-        _maybe_resize_out(o, tuple(a.shape))
-        _storage.write(o, a)
-    return tuple(outs)
-
-
 @direct("native_batch_norm", "_native_batch_norm_legit")
 def native_batch_norm(
     input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
@@ -588,7 +576,8 @@ def native_batch_norm_out(
     eps: float, *, out: torch.Tensor, save_mean: torch.Tensor, save_invstd: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:
     arrays = _batch_norm_arrays(input, weight, bias, running_mean, running_var, training, momentum, eps)
-    return _write_outs((out, save_mean, save_invstd), arrays)
+    write_outs("native_batch_norm", (out, save_mean, save_invstd), arrays)
+    return out, save_mean, save_invstd
 
 
 @direct("_native_batch_norm_legit.no_stats")
@@ -605,7 +594,8 @@ def _native_batch_norm_legit_no_stats_out(
     eps: float, *, out: torch.Tensor, save_mean: torch.Tensor, save_invstd: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:
     arrays = _batch_norm_arrays(input, weight, bias, None, None, training, momentum, eps)
-    return _write_outs((out, save_mean, save_invstd), arrays)
+    write_outs("native_batch_norm", (out, save_mean, save_invstd), arrays)
+    return out, save_mean, save_invstd
 
 
 @lower("_native_batch_norm_legit_no_training")

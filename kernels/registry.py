@@ -370,11 +370,7 @@ class OpKernel:
             if o.device.type != "tpu":
                 raise _device_mismatch(self.name, torch.device("tpu", _C._current_device()), o.device)
         index, result = self.compute(vals)
-        results = result if isinstance(result, (tuple, list)) else (result,)
-        for o, r in zip(outs, results):
-            _check_cast(self.name, _runtime.torch_dtype(r.dtype), o.dtype)
-            _maybe_resize_out(o, tuple(r.shape))
-            _storage.write(o, r)
+        write_outs(self.name, outs, result if isinstance(result, (tuple, list)) else (result,))
         return outs[0] if n_out == 1 else tuple(outs)
 
 
@@ -426,6 +422,15 @@ def _wrap_tree(out: Any, index: int) -> Any:
     if isinstance(out, (tuple, list)):
         return tuple(_wrap_tree(o, index) for o in out)
     return _C._wrap(out, _runtime.torch_dtype(out.dtype), index)
+
+
+def write_outs(op: str, outs: Sequence[torch.Tensor], arrays: Sequence[Any]) -> None:
+    """PyTorch's out= convention: check each result can be cast to its out tensor's dtype, resize the out tensor
+    (warning when a non-empty one changes shape), and write the result into it."""
+    for o, r in zip(outs, arrays):
+        _check_cast(op, _runtime.torch_dtype(r.dtype), o.dtype)
+        _maybe_resize_out(o, tuple(r.shape))
+        _storage.write(o, r)
 
 
 def _check_same_shape(op: str, target: torch.Tensor, out: Any) -> None:
