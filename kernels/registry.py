@@ -313,7 +313,16 @@ class OpKernel:
         return index, fn(*dyn)
 
     # -- the three installed forms --
+    def _positional(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Keyword arguments that are exactly the next schema arguments become positional (fast path)."""
+        names = self.arg_names[len(args):len(args) + len(kwargs)]
+        if len(names) == len(kwargs) and all(n in kwargs for n in names):
+            return args + tuple(kwargs[n] for n in names), {}
+        return args, kwargs
+
     def functional(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            args, kwargs = self._positional(args, kwargs)
         if not kwargs:
             fast = _fast_args(args)
             if fast is not None:
@@ -341,6 +350,8 @@ class OpKernel:
             self._fast_inplace[(n, mask, inplace_dtype)] = fn
 
     def inplace(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            args, kwargs = self._positional(args, kwargs)
         if not kwargs:
             fast = _fast_args(args)
             if fast is not None:
