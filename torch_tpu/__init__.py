@@ -29,6 +29,9 @@ def _setup() -> None:
     )
     _C._set_callbacks(_runtime.start, _storage.resize_array, _runtime.synchronize)
     kernels.install()
+    # TPUs compute in bfloat16 natively: torch.autocast("tpu") defaults to it (runtime/TpuAutocast.cpp has the
+    # per-op policy).
+    torch.set_autocast_dtype("tpu", torch.bfloat16)
 
     mode = os.environ.get("TORCH_TPU_CPU_FALLBACK", "").strip().lower()
     if mode not in _FALLBACK_MODES:
