@@ -837,3 +837,25 @@ def complex_(real: Any, imag: Any) -> Any:
 @lower("polar")
 def polar(abs: Any, angle: Any) -> Any:  # noqa: A002 - ATen's argument name
     return complex_(abs * jnp.cos(angle), abs * jnp.sin(angle))
+
+
+# ---- backward ops of unary functions that autograd calls by name ----
+
+
+@lower("tanh_backward")
+def tanh_backward(grad_output: Any, output: Any) -> Any:
+    return grad_output * (1 - output * jnp.conj(output))
+
+
+@lower("sigmoid_backward")
+def sigmoid_backward(grad_output: Any, output: Any) -> Any:
+    return grad_output * jnp.conj(output * (1 - output))
+
+
+@lower("logit_backward")
+def logit_backward(grad_output: Any, self: Any, eps: float | None = None) -> Any:
+    if eps is None:
+        inside = (self >= 0) & (self <= 1)
+        return jnp.where(inside, grad_output / (self * (1 - self)), jnp.nan)
+    inside = (self >= eps) & (self <= 1 - eps)
+    return jnp.where(inside, grad_output / (self * (1 - self)), 0)

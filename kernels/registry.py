@@ -338,7 +338,10 @@ class OpKernel:
         return _wrap_tree(out, index)
 
     def _install_fast(self, n: int, mask: int, vals: list, inplace_dtype: torch.dtype | None = None) -> None:
-        """Caches a jitted callable for calls shaped like this one (see `functional` and `inplace`)."""
+        """Caches a jitted callable for calls shaped like this one (see `functional` and `inplace`). An existing
+        entry is kept: replacing it would throw away its compiled executables (jit keys them on shapes)."""
+        if (inplace_dtype is None and (n, mask) in self._fast) or (n, mask, inplace_dtype) in self._fast_inplace:
+            return
         _, dyn, static, _ = self.prepare(vals)
         out_dtype = None if inplace_dtype is None else _runtime.jax_dtype(inplace_dtype)
         run = self._traced(static, out_dtype)

@@ -76,3 +76,34 @@ def test_gradients_stay_on_tpu_and_accumulate() -> None:
     with torch.no_grad():
         y = x @ w
     assert not y.requires_grad
+
+
+def test_retain_graph_hooks_clip_and_modes() -> None:
+    w = torch.randn(3, 3, device="tpu", requires_grad=True)
+    wc = w.detach().cpu().requires_grad_()
+    seen = []
+    w.register_hook(lambda g: seen.append(g.device.type) or g * 2)
+    for t in (w, wc):
+        y = (t.tanh() @ t.sigmoid()).sum()
+        y.backward(retain_graph=True)
+        y.backward()  # second backward through the retained graph accumulates
+    assert seen == ["tpu", "tpu"]
+    torch.testing.assert_close(w.grad.cpu(), 2 * wc.grad)
+    total = torch.nn.utils.clip_grad_norm_([w], max_norm=0.5)
+    assert total.device.type == "tpu"
+    torch.testing.assert_close(w.grad.norm().cpu(), torch.tensor(0.5), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        assert not (w * 2).requires_grad
+    with torch.inference_mode():
+        z = w * 2
+    assert z.is_inference() and z.device.type == "tpu"
+
+
+def test_gradient_accumulation_equals_full_batch() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 2).tpu()
+    x = torch.randn(8, 6, device="tpu")
+    full = torch.autograd.grad(lin(x).pow(2).mean(), lin.weight)[0]
+    for half in (x[:4], x[4:]):
+        (lin(half).pow(2).mean() / 2).backward()
+    torch.testing.assert_close(lin.weight.grad.cpu(), full.cpu(), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,225 @@
+"""Training on tpu: the example models train like on CPU step by step, optimizers, checkpoints and resume,
+memory stays flat, and mixing devices fails the way PyTorch fails."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import importlib.util
+import io
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "examples"))
+
+
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", REPO / "examples" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(mod, device: str, steps: int) -> tuple[list[float], nn.Module]:
+    from _train import train
+
+    model, batches, loss_fn = mod.build(0)
+    model = model.to(device)
+    losses = train(model, mod.optimizer(model), batches, loss_fn, device, steps, log=False)
+    return losses, model
+
+
+# Per-step loss tolerance (float32): the same math in a different order (XLA vs ATen kernels) drifts a little
+# more in deeper models.
+TOL = {"mlp": 1e-5, "gpt": 1e-4, "resnet": 1e-4, "lstm": 1e-5}
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "resnet", "lstm"])
+def test_example_trains_like_cpu(name: str) -> None:
+    mod = _example(name)
+    cpu_losses, cpu_model = _run(mod, "cpu", 20)
+    tpu_losses, tpu_model = _run(mod, "tpu", 20)
+    tol = TOL[name]
+    torch.testing.assert_close(tpu_losses, cpu_losses, rtol=tol, atol=tol)
+    # Final parameters: Adam-style updates normalise by the gradient's magnitude, so a weight whose gradient is
+    # ~0 (a dead ReLU unit) can move by up to lr per step on one side and not the other, and batch norm makes conv
+    # weights sensitive to float32 reduction order. Each tensor must agree to 1% in norm (plus 1e-3 for tensors
+    # near zero, like fresh biases), and each element to within 5 steps of the learning rate.
+    lr = mod.optimizer(nn.Linear(1, 1)).param_groups[0]["lr"]
+    for (n, p), (_, q) in zip(cpu_model.named_parameters(), tpu_model.named_parameters()):
+        assert q.device.type == "tpu"
+        diff = q.detach().cpu() - p.detach()
+        assert diff.norm() <= 1e-2 * p.detach().norm() + 1e-3, (n, diff.norm().item())
+        assert diff.abs().max() <= 5 * lr, (n, diff.abs().max().item())
+    for (n, b), (_, c) in zip(cpu_model.named_buffers(), tpu_model.named_buffers()):  # batch-norm statistics
+        if not b.is_floating_point():
+            assert torch.equal(c.cpu(), b), n
+            continue
+        diff = c.cpu() - b
+        assert diff.norm() <= 1e-2 * b.norm() + 1e-3, (n, diff.norm().item())
+
+
+OPTIMIZERS = {
+    "sgd": lambda p, **kw: torch.optim.SGD(p, lr=0.1, **kw),
+    "sgd_momentum_nesterov": lambda p, **kw: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True,
+                                                            weight_decay=1e-4, **kw),
+    "adam": lambda p, **kw: torch.optim.Adam(p, lr=1e-2, **kw),
+    "adam_amsgrad": lambda p, **kw: torch.optim.Adam(p, lr=1e-2, amsgrad=True, **kw),
+    "adamw": lambda p, **kw: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, **kw),
+    "adagrad": lambda p, **kw: torch.optim.Adagrad(p, lr=0.1, **kw),
+    "rmsprop": lambda p, **kw: torch.optim.RMSprop(p, lr=1e-2, momentum=0.5, centered=True, **kw),
+}
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "single_tensor"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_optimizers_match_cpu(name: str, foreach: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    x, y = torch.randn(10, 8), torch.randint(0, 3, (10,))
+    results = {}
+    for device in ("cpu", "tpu"):
+        m = copy.deepcopy(model).to(device)
+        opt = OPTIMIZERS[name](m.parameters(), foreach=foreach)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        for _ in range(4):
+            opt.zero_grad()
+            F.cross_entropy(m(x.to(device)), y.to(device)).backward()
+            opt.step()
+            sched.step()
+        results[device] = [p.detach().cpu() for p in m.parameters()]
+        if device == "tpu":
+            for state in opt.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        assert v.device.type == "tpu"
+    for p, q in zip(results["cpu"], results["tpu"]):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_optimizer_raises_clearly() -> None:
+    p = nn.Parameter(torch.randn(4, device="tpu"))
+    opt = torch.optim.Adam([p], lr=0.1, fused=True)
+    p.grad = torch.ones(4, device="tpu")
+    with pytest.raises(NotImplementedError, match="_fused_adam"):
+        opt.step()
+
+
+def test_checkpoint_resume_matches_uninterrupted(tmp_path) -> None:
+    mod = _example("mlp")
+    from _train import train
+
+    def fresh():
+        model, batches, loss_fn = mod.build(0)
+        model = model.tpu()
+        return model, mod.optimizer(model), batches, loss_fn
+
+    model, opt, batches, loss_fn = fresh()
+    straight = train(model, opt, batches, loss_fn, "tpu", 10, log=False)
+
+    model, opt, batches, loss_fn = fresh()
+    first = train(model, opt, batches, loss_fn, "tpu", 5, log=False)
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+
+    # The checkpoint written on tpu loads on CPU...
+    on_cpu = torch.load(path, map_location="cpu")
+    assert all(t.device.type == "cpu" for t in on_cpu["model"].values())
+    # ...and on tpu, into a fresh model and optimizer that continue where training stopped.
+    model2, opt2, _, _ = fresh()
+    state = torch.load(path)
+    model2.load_state_dict(state["model"])
+    opt2.load_state_dict(state["opt"])
+    assert next(iter(opt2.state.values()))["exp_avg"].device.type == "tpu"
+    resumed = train(model2, opt2, batches, loss_fn, "tpu", 5, log=False)
+    torch.testing.assert_close(first + resumed, straight, rtol=1e-6, atol=1e-6)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_memory_flat_over_1000_mlp_steps() -> None:
+    mod = _example("mlp")
+    model, batches, loss_fn = mod.build(0)
+    model = model.tpu()
+    opt = mod.optimizer(model)
+    x, y = (t.tpu() for t in next(batches))
+
+    def step() -> None:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    for _ in range(100):
+        step()
+    torch.tpu.synchronize()
+    gc.collect()
+    live, rss = torch.tpu.live_storages(), _rss()
+    for _ in range(1000):
+        step()
+    torch.tpu.synchronize()
+    gc.collect()
+    assert torch.tpu.live_storages() == live
+    growth = _rss() - rss
+    assert growth < 64 * 2**20, f"host RSS grew {growth / 2**20:.1f} MiB over 1000 steps"
+
+
+def test_model_split_across_devices_fails_naming_both() -> None:
+    model = nn.Sequential(nn.Linear(4, 4).tpu(), nn.Linear(4, 2))  # second layer left on cpu
+    with pytest.raises(RuntimeError, match=r"same device.*(tpu:0 and cpu|cpu and tpu:0)"):
+        model(torch.randn(3, 4, device="tpu"))
+
+
+def test_cpu_grad_on_tpu_param_fails_clearly() -> None:
+    p = nn.Parameter(torch.randn(4, device="tpu"))
+    with pytest.raises(RuntimeError, match="device"):
+        p.grad = torch.ones(4)
+
+
+def test_dropout_reproducible_under_seed() -> None:
+    x = torch.ones(1000, device="tpu")
+    torch.manual_seed(3)
+    a = F.dropout(x, 0.3).cpu()
+    torch.manual_seed(3)
+    b = F.dropout(x, 0.3).cpu()
+    assert torch.equal(a, b)
+    kept = (a != 0).float().mean().item()
+    assert 0.65 < kept < 0.75 and torch.allclose(a[a != 0], torch.tensor(1 / 0.7))
+
+
+def test_steady_state_steps_compile_nothing() -> None:
+    """After warm-up, training steps reuse cached executables: no XLA compilation per step."""
+    import jax.monitoring
+
+    compiles: list[str] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: compiles.append(name) if "backend_compile" in name else None)
+    mod = _example("gpt")
+    model, batches, loss_fn = mod.build(0)
+    model = model.tpu()
+    opt = mod.optimizer(model)
+    x, y = (t.tpu() for t in next(batches))
+
+    def step() -> None:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    torch.tpu.synchronize()
+    assert compiles, "the listener saw no compilation at all during warm-up"
+    compiles.clear()
+    for _ in range(3):
+        step()
+    torch.tpu.synchronize()
+    assert compiles == [], f"{len(compiles)} compilations in 3 steady-state steps"
