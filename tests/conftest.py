@@ -39,6 +39,12 @@ def run_python(code: str, env: dict[str, str] | None = None, timeout: int = 300)
     )
 
 
+def rss_bytes() -> int:
+    """Resident set size of this process."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 @pytest.fixture
 def tpu() -> torch.device:
     return torch.device("tpu:0")

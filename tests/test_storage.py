@@ -6,10 +6,11 @@ from __future__ import annotations
 import copy
 import gc
 import io
-import os
 
 import pytest
 import torch
+
+from conftest import rss_bytes
 
 
 def _pair(shape=(3, 4), dtype=torch.float32):
@@ -161,11 +162,6 @@ def test_data_pointers_are_unique_and_inaccessible() -> None:
     assert len(ptrs) == 8 and 0 not in ptrs
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def test_no_growth_over_10000_create_free_cycles() -> None:
     torch.tpu.synchronize()
     def cycle(i: int) -> None:
@@ -180,11 +176,11 @@ def test_no_growth_over_10000_create_free_cycles() -> None:
     gc.collect()
     torch.tpu.synchronize()
     base_live = torch.tpu.live_storages()
-    base_rss = _rss_bytes()
+    base_rss = rss_bytes()
     for i in range(10_000):
         cycle(i)
     gc.collect()
     torch.tpu.synchronize()
     assert torch.tpu.live_storages() == base_live
-    growth = _rss_bytes() - base_rss
+    growth = rss_bytes() - base_rss
     assert growth < 32 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB over 10,000 cycles"

@@ -6,8 +6,6 @@ from __future__ import annotations
 import copy
 import gc
 import importlib.util
-import io
-import os
 import sys
 
 import pytest
@@ -15,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import REPO
+from conftest import REPO, rss_bytes
 
 sys.path.insert(0, str(REPO / "examples"))
 
@@ -142,13 +140,9 @@ def test_checkpoint_resume_matches_uninterrupted(tmp_path) -> None:
     torch.testing.assert_close(first + resumed, straight, rtol=1e-6, atol=1e-6)
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def test_memory_flat_over_1000_mlp_steps() -> None:
-    mod = _example("mlp")
+def _fixed_batch_step(name: str):
+    """One training step of an example model on tpu, on one fixed batch."""
+    mod = _example(name)
     model, batches, loss_fn = mod.build(0)
     model = model.tpu()
     opt = mod.optimizer(model)
@@ -159,17 +153,22 @@ def test_memory_flat_over_1000_mlp_steps() -> None:
         loss_fn(model(x), y).backward()
         opt.step()
 
+    return step
+
+
+def test_memory_flat_over_1000_mlp_steps() -> None:
+    step = _fixed_batch_step("mlp")
     for _ in range(100):
         step()
     torch.tpu.synchronize()
     gc.collect()
-    live, rss = torch.tpu.live_storages(), _rss()
+    live, rss = torch.tpu.live_storages(), rss_bytes()
     for _ in range(1000):
         step()
     torch.tpu.synchronize()
     gc.collect()
     assert torch.tpu.live_storages() == live
-    growth = _rss() - rss
+    growth = rss_bytes() - rss
     assert growth < 64 * 2**20, f"host RSS grew {growth / 2**20:.1f} MiB over 1000 steps"
 
 
@@ -203,17 +202,7 @@ def test_steady_state_steps_compile_nothing() -> None:
     compiles: list[str] = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, secs, **kw: compiles.append(name) if "backend_compile" in name else None)
-    mod = _example("gpt")
-    model, batches, loss_fn = mod.build(0)
-    model = model.tpu()
-    opt = mod.optimizer(model)
-    x, y = (t.tpu() for t in next(batches))
-
-    def step() -> None:
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-
+    step = _fixed_batch_step("gpt")
     for _ in range(3):
         step()
     torch.tpu.synchronize()
