@@ -13,7 +13,7 @@ from torch_tpu import _C, _runtime, _storage
 from torch_tpu._jax import jax, jnp
 from torch._prims_common.wrappers import _maybe_resize_out
 
-from torch_tpu.kernels.registry import direct
+from torch_tpu.kernels.registry import direct, wrap_arrays
 
 
 def _on(index: int) -> Any:
@@ -430,12 +430,8 @@ def multinomial(self: torch.Tensor, num_samples: int, replacement: bool = False,
         raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
     seed, offset = _philox(generator, self)
     fn = _multinomial(probs.shape[0], cats, num_samples, replacement, self.device.index)
-    out = torch_tpu_wrap(fn(seed, offset, _storage.read(probs)), self.device.index)
+    out = wrap_arrays(fn(seed, offset, _storage.read(probs)).astype(jnp.int64), self.device.index)
     return out.reshape(num_samples) if self.dim() == 1 else out
-
-
-def torch_tpu_wrap(array: Any, index: int) -> torch.Tensor:
-    return _C._wrap(array.astype(jnp.int64), torch.int64, index)
 
 
 direct("multinomial.out")(_out_form(multinomial))

@@ -417,7 +417,6 @@ def frexp(self: Any) -> tuple[Any, Any]:
     nbits, mbits, bias, utype = _FLOAT_LAYOUT[jnp.dtype(self.dtype).name]
     udt = jnp.dtype(utype)
     bits = lax.bitcast_convert_type(self, udt)
-    one = jnp.asarray(1, udt)
     frac_mask = jnp.asarray((1 << mbits) - 1, udt)
     exp_mask = (1 << (nbits - 1 - mbits)) - 1
     sign = bits & jnp.asarray(1 << (nbits - 1), udt)

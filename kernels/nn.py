@@ -22,7 +22,7 @@ import torch
 from torch_tpu import _C, _runtime, _storage
 from torch_tpu._jax import jax, jnp, lax
 from torch_tpu.kernels.creation import _key, _philox
-from torch_tpu.kernels.registry import DEFAULT, direct, lower, write_outs
+from torch_tpu.kernels.registry import DEFAULT, direct, lower, wrap_arrays, write_outs
 
 # ---- helpers ----
 
@@ -557,7 +557,7 @@ def _batch_norm_arrays(
 
 def _batch_norm(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     index = args[0].device.index
-    return tuple(_C._wrap(a, _runtime.torch_dtype(a.dtype), index) for a in _batch_norm_arrays(*args))  # type: ignore[return-value]
+    return wrap_arrays(_batch_norm_arrays(*args), index)
 
 
 @direct("native_batch_norm", "_native_batch_norm_legit")

@@ -190,8 +190,9 @@ class OpKernel:
         # Fast path, keyed by (number of positional args, _C._fast_args mask): a jitted callable taking just
         # those arguments' arrays/numbers. Eligible when the given args are Tensor/Scalar per the schema and
         # every omitted one has a default.
-        self._fast: dict[tuple[int, int], Callable[..., Any]] = {}
-        self._fast_inplace: dict[tuple[int, int, torch.dtype], Callable[..., Any]] = {}
+        # Values: jitted callables; keys: (args given, mask, None for the functional form or the in-place
+        # target's dtype).
+        self._fast: dict[tuple[int, int, torch.dtype | None], Callable[..., Any]] = {}
         self._fast_ok = [
             all(k in (TENSOR, SCALAR) for k in self.kinds[:n])
             and all(d is not inspect.Parameter.empty for d in self.defaults[n:])
@@ -326,7 +327,7 @@ class OpKernel:
         if not kwargs:
             fast = _fast_args(args)
             if fast is not None:
-                fn = self._fast.get((len(args), fast[1]))
+                fn = self._fast.get((len(args), fast[1], None))
                 if fn is not None:
                     return _wrap(fn(*fast[2]), None, fast[0])
         vals = self.bind(args, kwargs)
@@ -335,22 +336,19 @@ class OpKernel:
             fast = _fast_args(args)
             if fast is not None:
                 self._install_fast(len(args), fast[1], vals)
-        return _wrap_tree(out, index)
+        return wrap_arrays(out, index)
 
     def _install_fast(self, n: int, mask: int, vals: list, inplace_dtype: torch.dtype | None = None) -> None:
         """Caches a jitted callable for calls shaped like this one (see `functional` and `inplace`). An existing
         entry is kept: replacing it would throw away its compiled executables (jit keys them on shapes)."""
-        if (inplace_dtype is None and (n, mask) in self._fast) or (n, mask, inplace_dtype) in self._fast_inplace:
+        key = (n, mask, inplace_dtype)
+        if key in self._fast:
             return
         _, dyn, static, _ = self.prepare(vals)
         out_dtype = None if inplace_dtype is None else _runtime.jax_dtype(inplace_dtype)
         run = self._traced(static, out_dtype)
         tail = tuple(dyn[n:])
-        fn = jax.jit(lambda *given: run(*given, *tail))
-        if inplace_dtype is None:
-            self._fast[(n, mask)] = fn
-        else:
-            self._fast_inplace[(n, mask, inplace_dtype)] = fn
+        self._fast[key] = jax.jit(lambda *given: run(*given, *tail))
 
     def inplace(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
@@ -358,7 +356,7 @@ class OpKernel:
         if not kwargs:
             fast = _fast_args(args)
             if fast is not None:
-                fn = self._fast_inplace.get((len(args), fast[1], args[0].dtype))
+                fn = self._fast.get((len(args), fast[1], args[0].dtype))
                 if fn is not None and _set_whole(args[0], fn(*fast[2])):
                     return args[0]
         vals = self.bind(args, kwargs)
@@ -432,9 +430,10 @@ def _cast_tree(out: Any, dtype: Any) -> Any:
     return out if out.dtype == dtype else out.astype(dtype)
 
 
-def _wrap_tree(out: Any, index: int) -> Any:
+def wrap_arrays(out: Any, index: int) -> Any:
+    """New tpu tensors on tpu:`index` owning the device array(s) `out` (a tuple of arrays gives a tuple)."""
     if isinstance(out, (tuple, list)):
-        return tuple(_wrap_tree(o, index) for o in out)
+        return tuple(wrap_arrays(o, index) for o in out)
     return _C._wrap(out, _runtime.torch_dtype(out.dtype), index)
 
 

@@ -7,7 +7,6 @@ import copy
 import gc
 import io
 
-import pytest
 import torch
 
 from conftest import rss_bytes
