@@ -1,8 +1,388 @@
 """torch_tpu.compile_cache: the persistent on-disk cache of compiled XLA executables, safe across processes.
 
-Planned (issue "Execution modes and the persistent compilation cache"): on by default in the user cache
-directory (TORCH_TPU_CACHE_DIR, TORCH_TPU_CACHE=0), keyed by program, compiler options, jax/jaxlib/libtpu
-versions, platform, device kind and torch_tpu version; atomic, checksummed entries; an LRU size cap;
-`torch.tpu.compile_cache.stats()` and `python -m torch_tpu.compile_cache info|clear|prune`.
-Nothing is cached on disk yet: every process compiles its programs afresh.
+On by default, in `$TORCH_TPU_CACHE_DIR` or else `$XDG_CACHE_HOME/torch_tpu/xla` (`~/.cache/torch_tpu/xla`);
+`TORCH_TPU_CACHE=0` turns it off; `TORCH_TPU_CACHE_MAX_BYTES` caps its size (default 4 GiB; suffixes K, M, G).
+
+It plugs into JAX's own persistent compilation cache: JAX computes the key (the StableHLO program, compile
+options, XLA flags, jax/jaxlib versions, platform version and the devices' kind) and serialises the
+executable; `DiskCache` is the storage JAX writes through, adding what JAX's file cache lacks:
+- the torch_tpu, jax, jaxlib and libtpu versions mixed into the key, so a stale executable is never reused;
+- atomic writes (a temporary file renamed into place): readers in other processes never see a torn entry;
+- a checksum per entry: a corrupt or truncated entry is deleted, reported (a `CompileCacheWarning`) and
+  recompiled, never loaded;
+- least-recently-used eviction under a size cap (a hit refreshes an entry's modification time);
+- statistics: `torch.tpu.compile_cache.stats()`, and `python -m torch_tpu.compile_cache info|clear|prune`.
 """
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import os
+import struct
+import threading
+import time
+import warnings
+from typing import Any
+
+__all__ = ["CompileCacheWarning", "CacheStats", "DiskCache", "cache_dir", "enabled", "stats", "clear", "prune",
+           "install", "max_bytes"]
+
+_MAGIC = b"TTPUXC01"
+# magic, sha256 of the payload, payload length, compile seconds of the entry (patched in after the compile)
+_HEADER = struct.Struct("<8s32sQd")
+_SUFFIX = ".xc"
+_COMPILE_SECONDS_OFFSET = 8 + 32 + 8
+
+
+class CompileCacheWarning(UserWarning):
+    """A cache entry could not be used (corrupt, truncated, unreadable): it was discarded and recompiled."""
+
+
+def enabled() -> bool:
+    return os.environ.get("TORCH_TPU_CACHE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def cache_dir() -> str:
+    d = os.environ.get("TORCH_TPU_CACHE_DIR")
+    if d:
+        return os.path.abspath(os.path.expanduser(d))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "torch_tpu", "xla")
+
+
+def max_bytes() -> int:
+    raw = os.environ.get("TORCH_TPU_CACHE_MAX_BYTES", "").strip()
+    if not raw:
+        return 4 << 30
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(raw[-1].upper(), 1)
+    try:
+        return int(float(raw[:-1] if mult > 1 else raw) * mult)
+    except ValueError:
+        raise RuntimeError(f"TORCH_TPU_CACHE_MAX_BYTES={raw!r} is not a size (e.g. 4G, 512M, 1000000)") from None
+
+
+def _versions() -> str:
+    """Everything outside JAX's key that changes what an executable means to torch_tpu."""
+    import importlib.metadata as md
+
+    import torch_tpu
+
+    parts = [f"torch_tpu={torch_tpu.__version__}"]
+    for pkg in ("jax", "jaxlib", "libtpu", "libtpu-nightly"):
+        try:
+            parts.append(f"{pkg}={md.version(pkg)}")
+        except md.PackageNotFoundError:
+            pass
+    return ";".join(parts)
+
+
+@dataclasses.dataclass
+class CacheStats:
+    directory: str
+    enabled: bool
+    hits: int  # executables loaded from disk in this process
+    misses: int  # lookups that found nothing usable (then compiled and written)
+    writes: int  # entries this process wrote
+    corrupt: int  # entries found corrupt or truncated (discarded and recompiled)
+    evictions: int  # entries this process evicted for the size cap
+    entries: int  # entries on disk now
+    bytes: int  # their total size
+    max_bytes: int
+    compile_seconds_saved: float  # compile time the hits did not spend (as measured when each entry was written)
+
+    def __str__(self) -> str:
+        return "\n".join(f"{k}: {v}" for k, v in dataclasses.asdict(self).items())
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self.hits = self.misses = self.writes = self.corrupt = self.evictions = 0
+        self.saved = 0.0
+
+
+def _disk_usage(directory: str) -> tuple[list[tuple[float, int, str]], int]:
+    """[(mtime, size, path)] of the entries, and their total size."""
+    entries = []
+    total = 0
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return [], 0
+    for name in names:
+        if not name.endswith(_SUFFIX):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
+        entries.append((st.st_mtime, st.st_size, path))
+        total += st.st_size
+    return entries, total
+
+
+class DiskCache:
+    """JAX's CacheInterface (get/put of bytes by key) over a directory of checksummed entry files."""
+
+    def __init__(self, directory: str, cap: int) -> None:
+        self.directory = directory
+        self._path = directory  # JAX reads this attribute for logging
+        self.cap = cap
+        self.salt = _versions()
+        self.counters = _Counters()
+        self._lock = threading.Lock()
+        self._tls = threading.local()
+        os.makedirs(directory, exist_ok=True)
+
+    def _file(self, key: str) -> str:
+        digest = hashlib.sha256(f"{key}|{self.salt}".encode()).hexdigest()
+        return os.path.join(self.directory, digest + _SUFFIX)
+
+    # -- JAX's interface --
+    def get(self, key: str) -> bytes | None:
+        path = self._file(key)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            with self._lock:
+                self.counters.misses += 1
+            return None
+        except OSError as e:
+            self._discard(path, f"unreadable ({e})")
+            return None
+        problem = _check(data)
+        if problem is not None:
+            self._discard(path, problem)
+            return None
+        try:
+            os.utime(path)  # least recently used = oldest modification time
+        except OSError:
+            pass
+        seconds = _HEADER.unpack_from(data)[3]
+        with self._lock:
+            self.counters.hits += 1
+            self.counters.saved += seconds
+        from torch_tpu import _metrics
+
+        _metrics.cache_hit()
+        return data[_HEADER.size:]
+
+    def put(self, key: str, value: bytes) -> None:
+        path = self._file(key)
+        if os.path.exists(path):
+            return
+        if len(value) + _HEADER.size > self.cap:
+            warnings.warn(
+                f"torch_tpu compile cache: an executable of {len(value)} bytes exceeds TORCH_TPU_CACHE_MAX_BYTES="
+                f"{self.cap}; not cached. Raise the cap to keep it.",
+                CompileCacheWarning,
+                stacklevel=2,
+            )
+            return
+        header = _HEADER.pack(_MAGIC, hashlib.sha256(value).digest(), len(value), 0.0)
+        tmp = os.path.join(self.directory, f".tmp-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(value)
+            os.replace(tmp, path)  # atomic: other processes see the whole entry or none
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            warnings.warn(f"torch_tpu compile cache: could not write {path}: {e}", CompileCacheWarning, stacklevel=2)
+            return
+        with self._lock:
+            self.counters.writes += 1
+        self._tls.last_written = path
+        self.evict()
+
+    def clear(self) -> None:
+        clear(self.directory)
+
+    # -- torch_tpu's additions --
+    def note_compile_seconds(self, seconds: float) -> None:
+        """Records how long the entry this thread just wrote took to compile (JAX reports the time after
+        writing it): what a later hit saves."""
+        path = getattr(self._tls, "last_written", None)
+        if path is None:
+            return
+        self._tls.last_written = None
+        try:
+            fd = os.open(path, os.O_WRONLY)
+        except OSError:
+            return
+        try:
+            os.pwrite(fd, struct.pack("<d", float(seconds)), _COMPILE_SECONDS_OFFSET)
+        finally:
+            os.close(fd)
+
+    def _discard(self, path: str, problem: str) -> None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        with self._lock:
+            self.counters.corrupt += 1
+            self.counters.misses += 1  # nothing usable was found: the program is compiled
+        warnings.warn(
+            f"torch_tpu compile cache: entry {os.path.basename(path)} in {self.directory} is {problem}; it was "
+            "discarded and the program is compiled again.",
+            CompileCacheWarning,
+            stacklevel=2,
+        )
+
+    def evict(self, cap: int | None = None) -> int:
+        """Deletes least-recently-used entries until the cache fits `cap` (default: its cap); returns how many."""
+        cap = self.cap if cap is None else cap
+        n = _evict(self.directory, cap)
+        if n:
+            with self._lock:
+                self.counters.evictions += n
+        return n
+
+
+def _check(data: bytes) -> str | None:
+    """None when `data` is a whole, intact entry; else what is wrong with it."""
+    if len(data) < _HEADER.size:
+        return f"truncated ({len(data)} bytes, shorter than its header)"
+    magic, digest, length, _ = _HEADER.unpack_from(data)
+    if magic != _MAGIC:
+        return "not a torch_tpu cache entry (bad magic)"
+    if len(data) - _HEADER.size != length:
+        return f"truncated ({len(data) - _HEADER.size} of {length} payload bytes)"
+    if hashlib.sha256(memoryview(data)[_HEADER.size:]).digest() != digest:
+        return "corrupt (checksum mismatch)"
+    return None
+
+
+def _evict(directory: str, cap: int) -> int:
+    entries, total = _disk_usage(directory)
+    if total <= cap:
+        return 0
+    removed = 0
+    lock_path = os.path.join(directory, ".evict.lock")
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one evicting process at a time; readers never lock
+        try:
+            entries, total = _disk_usage(directory)
+            for _, size, path in sorted(entries):
+                if total <= cap:
+                    break
+                try:
+                    os.unlink(path)
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+                total -= size
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return removed
+
+
+_cache: DiskCache | None = None
+
+
+def install() -> DiskCache | None:
+    """Makes JAX's persistent compilation cache store through a DiskCache (called when the runtime starts).
+    Does nothing when TORCH_TPU_CACHE=0."""
+    global _cache
+    if not enabled():
+        return None
+    if _cache is not None:
+        return _cache
+    import jax
+    from jax._src import compilation_cache as jcc
+
+    directory = cache_dir()
+    try:
+        cache = DiskCache(directory, max_bytes())
+    except OSError as e:
+        warnings.warn(
+            f"torch_tpu compile cache: cannot use {directory} ({e}); compiling without a persistent cache. "
+            "Set TORCH_TPU_CACHE_DIR to a writable folder, or TORCH_TPU_CACHE=0.",
+            CompileCacheWarning,
+            stacklevel=2,
+        )
+        return None
+    jax.config.update("jax_compilation_cache_dir", directory)
+    # Cache every executable: torch_tpu's per-op programs compile in milliseconds each, but there are many.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    jcc.reset_cache()
+    jcc._cache = cache
+    jcc._cache_initialized = True
+    _cache = cache
+    _listen_compile_seconds(cache)
+    return cache
+
+
+def _listen_compile_seconds(cache: DiskCache) -> None:
+    import jax.monitoring
+    from jax._src import dispatch
+
+    event_name = dispatch.BACKEND_COMPILE_EVENT
+
+    def on_duration(event: str, duration: float, **kwargs: Any) -> None:
+        if event == event_name:
+            cache.note_compile_seconds(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+
+
+def stats(directory: str | None = None) -> CacheStats:
+    """Counters of this process's cache, and what is on disk now."""
+    d = directory or (_cache.directory if _cache is not None else cache_dir())
+    entries, total = _disk_usage(d)
+    c = _cache.counters if _cache is not None and _cache.directory == d else _Counters()
+    return CacheStats(
+        directory=d, enabled=enabled(), hits=c.hits, misses=c.misses, writes=c.writes, corrupt=c.corrupt,
+        evictions=c.evictions, entries=len(entries), bytes=total,
+        max_bytes=_cache.cap if _cache is not None else max_bytes(),
+        compile_seconds_saved=round(c.saved, 6),
+    )
+
+
+def clear(directory: str | None = None) -> int:
+    """Deletes every entry; returns how many."""
+    d = directory or cache_dir()
+    entries, _ = _disk_usage(d)
+    n = 0
+    for _, _, path in entries:
+        try:
+            os.unlink(path)
+            n += 1
+        except FileNotFoundError:
+            pass
+    return n
+
+
+def prune(directory: str | None = None, cap: int | None = None) -> tuple[int, int]:
+    """Deletes corrupt entries, stale temporary files, and least-recently-used entries above `cap`.
+    Returns (entries removed as damaged or stale, entries evicted)."""
+    d = directory or cache_dir()
+    damaged = 0
+    try:
+        names = os.listdir(d)
+    except FileNotFoundError:
+        return 0, 0
+    now = time.time()
+    for name in names:
+        path = os.path.join(d, name)
+        try:
+            if name.startswith(".tmp-"):
+                if now - os.stat(path).st_mtime > 3600:  # a writer that died mid-write
+                    os.unlink(path)
+                    damaged += 1
+            elif name.endswith(_SUFFIX):
+                with open(path, "rb") as f:
+                    if _check(f.read()) is not None:
+                        os.unlink(path)
+                        damaged += 1
+        except FileNotFoundError:
+            pass
+    return damaged, _evict(d, max_bytes() if cap is None else cap)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from torch_tpu import _runtime, _storage
+from torch_tpu import _deferred, _runtime, _storage
 from torch_tpu._jax import jax, jnp
 from torch_tpu.kernels.registry import direct
 
@@ -21,16 +21,20 @@ def _convert(shape: tuple[int, ...], dtype: Any) -> Any:
             v = jnp.real(v)  # torch discards the imaginary part (with a warning on CPU)
         return jnp.broadcast_to(v.astype(dtype), shape)
 
-    return jax.jit(convert)
+    return _deferred.jitted(convert)
+
+
+_conj = _deferred.jitted(lambda v: jnp.conj(v))
+_neg = _deferred.jitted(lambda v: -v)
 
 
 def _read_resolved(src: torch.Tensor, dst: torch.Tensor) -> Any:
     """src's values with its lazy conjugate/negative bits applied relative to dst's (copy_ resolves them)."""
     val = _storage.read(src)
     if src.is_conj() != dst.is_conj():
-        val = jnp.conj(val)
+        val = _conj(val)
     if src.is_neg() != dst.is_neg():
-        val = -val
+        val = _neg(val)
     return val
 
 
@@ -39,7 +43,7 @@ def _value_for(dst: torch.Tensor, src: torch.Tensor) -> Any:
     if src.device.type == "tpu":
         val = _read_resolved(src, dst)
         if src.device.index != index:
-            val = jax.device_put(val, _runtime.device(index))
+            val = jax.device_put(_deferred.concrete(val, "transfer"), _runtime.device(index))
     else:
         val = _runtime.upload(src, index)
     dtype = _runtime.jax_dtype(dst.dtype)
@@ -56,24 +60,24 @@ def _value_for(dst: torch.Tensor, src: torch.Tensor) -> Any:
     return _convert(shape, dtype)(val)
 
 
-@direct("copy_")
+@direct("copy_", defer=True)
 def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     if self.device.type == "tpu":
         _storage.write(self, _value_for(self, src))
     elif src.device.type == "tpu":
         # To the host (or another backend): fetch, then let that device's copy_ cast and broadcast.
-        self.copy_(_runtime.download(_read_resolved(src, self)))
+        self.copy_(_runtime.download(_deferred.concrete(_read_resolved(src, self), "to_cpu")))
     else:
         raise RuntimeError(f"torch_tpu: copy_ from {src.device} to {self.device} reached the tpu backend")
     return self
 
 
-@direct("_copy_from")
+@direct("_copy_from", defer=True)
 def _copy_from(self: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     return copy_(dst, self, non_blocking)
 
 
-@direct("_copy_from_and_resize")
+@direct("_copy_from_and_resize", defer=True)
 def _copy_from_and_resize(self: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     dst.resize_(self.shape)
     return copy_(dst, self)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from torch_tpu import _C, _runtime, _storage
+from torch_tpu import _C, _deferred, _runtime, _storage
 from torch_tpu._jax import jax, jnp
 from torch._prims_common.wrappers import _maybe_resize_out
 
@@ -22,7 +22,7 @@ def _on(index: int) -> Any:
 
 @functools.lru_cache(maxsize=1024)
 def _full(shape: tuple[int, ...], dtype: Any, index: int) -> Any:
-    return jax.jit(lambda value: jnp.full(shape, value, dtype), out_shardings=_on(index))
+    return _deferred.jitted(lambda value: jnp.full(shape, value, dtype), index)
 
 
 def _fill_value(value: Any) -> Any:
@@ -35,14 +35,14 @@ def _fill_value(value: Any) -> Any:
     return value
 
 
-@direct("fill_.Scalar", "fill_.Tensor")
+@direct("fill_.Scalar", "fill_.Tensor", defer=True)
 def fill_(self: torch.Tensor, value: Any) -> torch.Tensor:
     dtype = _runtime.jax_dtype(self.dtype)
     _storage.write(self, _full(tuple(self.shape), dtype, self.device.index)(_fill_value(value)))
     return self
 
 
-@direct("zero_")
+@direct("zero_", defer=True)
 def zero_(self: torch.Tensor) -> torch.Tensor:
     return fill_(self, 0)
 
@@ -144,7 +144,7 @@ def _sampler(fn: Any, shape: tuple[int, ...], dtype: Any, index: int) -> Any:
     def sample(seed: Any, offset: Any, *params: Any) -> Any:
         return fn(_key(seed, offset), shape, dtype, *params).astype(dtype)
 
-    return jax.jit(sample, out_shardings=_on(index))
+    return _deferred.jitted(sample, index)
 
 
 def _philox(generator: torch.Generator | None, t: torch.Tensor) -> tuple[Any, Any]:
@@ -164,7 +164,7 @@ def _check_float(op: str, t: torch.Tensor) -> None:
         raise RuntimeError(f"{op} expects floating point dtypes, got {t.dtype}")
 
 
-@direct("normal_")
+@direct("normal_", defer=True)
 def normal_(self: torch.Tensor, mean: float = 0.0, std: float = 1.0, *, generator: Any = None) -> torch.Tensor:
     _check_float("normal_", self)
     if std < 0:
@@ -172,7 +172,7 @@ def normal_(self: torch.Tensor, mean: float = 0.0, std: float = 1.0, *, generato
     return _fill_random(self, generator, _normal_sampler, float(mean), float(std))
 
 
-@direct("uniform_")
+@direct("uniform_", defer=True)
 def uniform_(self: torch.Tensor, from_: float = 0.0, to: float = 1.0, *, generator: Any = None) -> torch.Tensor:
     _check_float("uniform_", self)
     if from_ > to:
@@ -190,18 +190,18 @@ def _random_bounds(dtype: torch.dtype) -> tuple[int, int]:
     return 0, torch.iinfo(dtype).max  # PyTorch's default excludes the maximum itself
 
 
-@direct("random_")
+@direct("random_", defer=True)
 def random_(self: torch.Tensor, *, generator: Any = None) -> torch.Tensor:
     low, high = _random_bounds(self.dtype)
     return _fill_random(self, generator, _integers_sampler, low, high)
 
 
-@direct("random_.to")
+@direct("random_.to", defer=True)
 def random_to(self: torch.Tensor, to: int, *, generator: Any = None) -> torch.Tensor:
     return random_from(self, 0, to, generator=generator)
 
 
-@direct("random_.from")
+@direct("random_.from", defer=True)
 def random_from(self: torch.Tensor, from_: int, to: int | None = None, *, generator: Any = None) -> torch.Tensor:
     if to is None:
         to = _random_bounds(self.dtype)[1] if self.dtype.is_floating_point else torch.iinfo(self.dtype).max + 1
@@ -210,7 +210,7 @@ def random_from(self: torch.Tensor, from_: int, to: int | None = None, *, genera
     return _fill_random(self, generator, _integers_sampler, int(from_), int(to))
 
 
-@direct("bernoulli_.float")
+@direct("bernoulli_.float", defer=True)
 def bernoulli_float_(self: torch.Tensor, p: float = 0.5, *, generator: Any = None) -> torch.Tensor:
     if not 0 <= p <= 1:
         raise RuntimeError(f"bernoulli_ expects p to be in [0, 1], but got p={p}")
@@ -229,12 +229,12 @@ def bernoulli(self: torch.Tensor, *, generator: Any = None) -> torch.Tensor:
     return bernoulli_tensor_(out, self, generator=generator)
 
 
-@direct("bernoulli.p")
+@direct("bernoulli.p", defer=True)
 def bernoulli_p(self: torch.Tensor, p: float, *, generator: Any = None) -> torch.Tensor:
     return bernoulli_float_(torch.empty_like(self), p, generator=generator)
 
 
-@direct("exponential_")
+@direct("exponential_", defer=True)
 def exponential_(self: torch.Tensor, lambd: float = 1.0, *, generator: Any = None) -> torch.Tensor:
     _check_float("exponential_", self)
     if lambd <= 0:
@@ -242,14 +242,14 @@ def exponential_(self: torch.Tensor, lambd: float = 1.0, *, generator: Any = Non
     return _fill_random(self, generator, _exponential_sampler, float(lambd))
 
 
-@direct("geometric_")
+@direct("geometric_", defer=True)
 def geometric_(self: torch.Tensor, p: float, *, generator: Any = None) -> torch.Tensor:
     if not 0 < p < 1:
         raise RuntimeError(f"geometric_ expects p to be in (0, 1), but got p={p}")
     return _fill_random(self, generator, _geometric_sampler, float(p))
 
 
-@direct("log_normal_")
+@direct("log_normal_", defer=True)
 def log_normal_(self: torch.Tensor, mean: float = 1.0, std: float = 2.0, *, generator: Any = None) -> torch.Tensor:
     _check_float("log_normal_", self)
     if std <= 0:
@@ -257,7 +257,7 @@ def log_normal_(self: torch.Tensor, mean: float = 1.0, std: float = 2.0, *, gene
     return _fill_random(self, generator, _log_normal_sampler, float(mean), float(std))
 
 
-@direct("cauchy_")
+@direct("cauchy_", defer=True)
 def cauchy_(self: torch.Tensor, median: float = 0.0, sigma: float = 1.0, *, generator: Any = None) -> torch.Tensor:
     _check_float("cauchy_", self)
     return _fill_random(self, generator, _cauchy_sampler, float(median), float(sigma))

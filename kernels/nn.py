@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 
-from torch_tpu import _C, _runtime, _storage
+from torch_tpu import _C, _deferred, _runtime, _storage
 from torch_tpu._jax import jax, jnp, lax
 from torch_tpu.kernels.creation import _key, _philox
 from torch_tpu.kernels.registry import DEFAULT, direct, lower, wrap_arrays, write_outs
@@ -521,7 +521,7 @@ def _batch_norm_math(
 
 @functools.lru_cache(maxsize=256)
 def _batch_norm_fn(training: bool, momentum: float, eps: float) -> Any:
-    return jax.jit(lambda x, w, b, rm, rv: _batch_norm_math(x, w, b, rm, rv, training, momentum, eps))
+    return _deferred.jitted(lambda x, w, b, rm, rv: _batch_norm_math(x, w, b, rm, rv, training, momentum, eps))
 
 
 def _read(t: torch.Tensor | None, index: int) -> Any:
@@ -560,7 +560,7 @@ def _batch_norm(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return wrap_arrays(_batch_norm_arrays(*args), index)
 
 
-@direct("native_batch_norm", "_native_batch_norm_legit")
+@direct("native_batch_norm", "_native_batch_norm_legit", defer=True)
 def native_batch_norm(
     input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
     running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool, momentum: float,
@@ -569,7 +569,7 @@ def native_batch_norm(
     return _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
 
 
-@direct("native_batch_norm.out", "_native_batch_norm_legit.out")
+@direct("native_batch_norm.out", "_native_batch_norm_legit.out", defer=True)
 def native_batch_norm_out(
     input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
     running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool, momentum: float,
@@ -580,7 +580,7 @@ def native_batch_norm_out(
     return out, save_mean, save_invstd
 
 
-@direct("_native_batch_norm_legit.no_stats")
+@direct("_native_batch_norm_legit.no_stats", defer=True)
 def _native_batch_norm_legit_no_stats(
     input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, training: bool, momentum: float,
     eps: float,
@@ -588,7 +588,7 @@ def _native_batch_norm_legit_no_stats(
     return _batch_norm(input, weight, bias, None, None, training, momentum, eps)
 
 
-@direct("_native_batch_norm_legit.no_stats_out")
+@direct("_native_batch_norm_legit.no_stats_out", defer=True)
 def _native_batch_norm_legit_no_stats_out(
     input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, training: bool, momentum: float,
     eps: float, *, out: torch.Tensor, save_mean: torch.Tensor, save_invstd: torch.Tensor,
@@ -605,7 +605,7 @@ def _native_batch_norm_legit_no_training(
     return _batch_norm_math(input, weight, bias, running_mean, running_var, False, momentum, eps)[:3]
 
 
-@direct("_batch_norm_with_update")
+@direct("_batch_norm_with_update", defer=True)
 def _batch_norm_with_update(
     input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, running_mean: torch.Tensor,
     running_var: torch.Tensor, momentum: float, eps: float,
@@ -1401,15 +1401,15 @@ def _dropout_fn(p: float) -> Any:
         scale = 0.0 if p == 1 else 1.0 / (1 - p)
         return (_opmath(x) * keep * scale).astype(x.dtype), keep
 
-    return jax.jit(run)
+    return _deferred.jitted(run)
 
 
 @functools.lru_cache(maxsize=16)
 def _dropout_eval_fn() -> Any:
-    return jax.jit(lambda x: (x, jnp.ones(x.shape, jnp.bool_)))
+    return _deferred.jitted(lambda x: (x, jnp.ones(x.shape, jnp.bool_)))
 
 
-@direct("native_dropout")
+@direct("native_dropout", defer=True)
 def native_dropout(input: torch.Tensor, p: float, train: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dropout with a Bernoulli(1 - p) keep mask drawn from the tpu generator."""
     if p < 0 or p > 1:

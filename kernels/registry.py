@@ -27,7 +27,7 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 from torch._prims_common.wrappers import _maybe_resize_out
 
-from torch_tpu import _C, _runtime, _storage
+from torch_tpu import _C, _deferred, _metrics, _runtime, _storage
 
 _fast_args = _C._fast_args
 _wrap = _C._wrap
@@ -60,6 +60,9 @@ class Lowering:
 LOWERINGS: dict[str, Lowering] = {}
 # Kernels written directly against torch tensors (copy_, item, random fills): overload -> function.
 DIRECT: dict[str, Callable[..., Any]] = {}
+# Direct kernels written for DEFER_AND_FUSE (they only use deferrable calls: _storage.read/write, wrap_arrays,
+# `_deferred.jitted` helpers); every other direct kernel flushes pending work and runs eagerly.
+DEFERRABLE: set[str] = set()
 
 
 def lower(
@@ -82,12 +85,16 @@ def lower(
     return deco
 
 
-def direct(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def direct(*names: str, defer: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Registers a kernel written against torch tensors. `defer=True` declares it safe to record under
+    DEFER_AND_FUSE (see DEFERRABLE)."""
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         for name in names:
             if name in LOWERINGS or name in DIRECT:
                 raise RuntimeError(f"torch_tpu: aten::{name} is registered twice")
             DIRECT[name] = fn
+            if defer:
+                DEFERRABLE.add(name)
         return fn
 
     return deco
@@ -186,6 +193,7 @@ class OpKernel:
         self.promote_idx = tuple(i for i, n in enumerate(self.arg_names) if n in lowering.promote_args)
         self.dynamic_idx = tuple(i for i, k in enumerate(self.kinds) if k in (TENSOR, OPT_TENSOR, TENSOR_LIST, SCALAR))
         self._jits: dict[Any, Callable[..., Any]] = {}
+        self._runs: dict[Any, Callable[..., Any]] = {}  # the same functions unjitted, recorded by DEFER_AND_FUSE
         self.out_names: list[str] = []
         # Fast path, keyed by (number of positional args, _C._fast_args mask): a jitted callable taking just
         # those arguments' arrays/numbers. Eligible when the given args are Tensor/Scalar per the schema and
@@ -301,6 +309,12 @@ class OpKernel:
     def compute(self, vals: list, out_dtype: Any = None) -> tuple[int, Any]:
         index, dyn, static, has_arrays = self.prepare(vals)
         key = (static, out_dtype) if has_arrays else (static, out_dtype, index)
+        if _deferred.fusing and self.lowering.jit and _deferred.recording():
+            run = self._runs.get(key)
+            if run is None:
+                run = self._runs[key] = self._traced(static, out_dtype)
+                run._torch_tpu_op = f"aten::{self.name}"  # type: ignore[attr-defined]
+            return index, _deferred.record(index, (self.name, key), run, dyn)
         fn = self._jits.get(key)
         if fn is None:
             run = self._traced(static, out_dtype)
@@ -324,7 +338,7 @@ class OpKernel:
     def functional(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             args, kwargs = self._positional(args, kwargs)
-        if not kwargs:
+        if not kwargs and not _deferred.mode:
             fast = _fast_args(args)
             if fast is not None:
                 fn = self._fast.get((len(args), fast[1], None))
@@ -332,7 +346,10 @@ class OpKernel:
                     return _wrap(fn(*fast[2]), None, fast[0])
         vals = self.bind(args, kwargs)
         index, out = self.compute(vals)
-        if not kwargs and self.lowering.jit and self._fast_ok[len(args)] and not isinstance(out, (tuple, list)):
+        if _deferred.mode:
+            if _deferred.mode == _deferred.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
+                _deferred.block_arrays(out)
+        elif not kwargs and self.lowering.jit and self._fast_ok[len(args)] and not isinstance(out, (tuple, list)):
             fast = _fast_args(args)
             if fast is not None:
                 self._install_fast(len(args), fast[1], vals)
@@ -353,7 +370,7 @@ class OpKernel:
     def inplace(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             args, kwargs = self._positional(args, kwargs)
-        if not kwargs:
+        if not kwargs and not _deferred.mode:
             fast = _fast_args(args)
             if fast is not None:
                 fn = self._fast.get((len(args), fast[1], args[0].dtype))
@@ -365,7 +382,10 @@ class OpKernel:
         _check_same_shape(self.name, target, out)
         _check_cast(self.name, _runtime.torch_dtype(out.dtype), target.dtype)
         _storage.write(target, out)
-        if not kwargs and self.lowering.jit and self._fast_ok[len(args)] and not isinstance(out, (tuple, list)):
+        if _deferred.mode:
+            if _deferred.mode == _deferred.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
+                _deferred.block_arrays(out)
+        elif not kwargs and self.lowering.jit and self._fast_ok[len(args)] and not isinstance(out, (tuple, list)):
             fast = _fast_args(args)
             if fast is not None:
                 self._install_fast(len(args), fast[1], vals, target.dtype)
@@ -383,6 +403,8 @@ class OpKernel:
                 raise _device_mismatch(self.name, torch.device("tpu", _C._current_device()), o.device)
         index, result = self.compute(vals)
         write_outs(self.name, outs, result if isinstance(result, (tuple, list)) else (result,))
+        if _deferred.mode == _deferred.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
+            _deferred.block_arrays(result)
         return outs[0] if n_out == 1 else tuple(outs)
 
 
@@ -482,20 +504,32 @@ def install() -> None:
     if _LIB is not None:
         return
     lib = torch.library.Library("aten", "IMPL")
+    for code in (OpKernel.functional, OpKernel.inplace, OpKernel.out):
+        _metrics.register_kernel_code(code.__code__)
+
+    def impl(name: str, fn: Callable[..., Any], deferrable: bool, reason: str) -> None:
+        # A kernel that needs concrete arrays flushes DEFER_AND_FUSE's pending work first (and, like every
+        # kernel, waits for the device under DEFER_NEVER_AND_LAUNCH_BLOCKING).
+        lib.impl(name, fn if deferrable else _deferred.boundary(fn, reason), "PrivateUse1")
+
     for name, lowering in LOWERINGS.items():
         op = _overload(name)
         kernel = OpKernel(lowering, op)
         KERNELS[name] = kernel
-        lib.impl(name, kernel.functional, "PrivateUse1")
+        impl(name, kernel.functional, lowering.jit, "data_dependent")
         if lowering.variants:
             inplace, out = _find_variants(op)
             if inplace is not None and _name(inplace) not in LOWERINGS and _name(inplace) not in DIRECT:
-                lib.impl(_name(inplace), kernel.inplace, "PrivateUse1")
+                impl(_name(inplace), kernel.inplace, lowering.jit, "data_dependent")
             if out is not None and _name(out) not in LOWERINGS and _name(out) not in DIRECT:
                 kernel.out_names = [a.name for a in out._schema.arguments if a.is_out]
-                lib.impl(_name(out), kernel.out, "PrivateUse1")
+                impl(_name(out), kernel.out, lowering.jit, "data_dependent")
     for name, fn in DIRECT.items():
-        lib.impl(name, fn, "PrivateUse1")
+        reason = "item" if name in ("_local_scalar_dense", "equal") else f"aten::{name}"
+        if name in DEFERRABLE:
+            lib.impl(name, _deferred.blocking_after(fn), "PrivateUse1")
+        else:
+            impl(name, fn, False, reason)
     _LIB = lib
 
 

@@ -36,6 +36,23 @@ c10::ScalarType scalar_type_of(PyObject* dtype) {
   return reinterpret_cast<THPDtype*>(dtype)->scalar_type;
 }
 
+// DEFER_AND_FUSE (torch_tpu/_deferred.py): a storage may hold a `Pending` placeholder for a value that a
+// deferred graph will compute. Once the graph ran, the placeholder's `value` is the device array: every
+// accessor below swaps it into the storage on first read, so later reads take the plain fast path.
+PyObject* g_pending_type = nullptr;
+
+inline void resolve_pending(TpuBuffer* buf) {
+  PyObject* a = buf->array;
+  if (a == nullptr || g_pending_type == nullptr || reinterpret_cast<PyObject*>(Py_TYPE(a)) != g_pending_type) return;
+  PyObject* v = PyObject_GetAttrString(a, "value");
+  if (v == nullptr) {
+    PyErr_Clear();
+    return;
+  }
+  if (v != Py_None) set_buffer_array(buf, v, buf->array_dtype, buf->array_shape);
+  Py_DECREF(v);
+}
+
 const at::Tensor& tensor_arg(PyObject* obj) {
   if (!THPVariable_Check(obj)) throw py::type_error("torch_tpu._C: expected a tensor");
   return THPVariable_Unpack(obj);
@@ -49,6 +66,7 @@ PyObject* py_array(PyObject* /*self*/, PyObject* obj) {
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   if (impl->device_type() != kTpu || impl->storage_offset() != 0) Py_RETURN_NONE;
   TpuBuffer* buf = buffer_of(impl->unsafe_storage());
+  resolve_pending(buf);
   if (buf->array == nullptr || buf->array_dtype != impl->dtype().toScalarType()) Py_RETURN_NONE;
   auto sizes = impl->sizes();
   if (!sizes.equals(buf->array_shape) || !impl->is_contiguous()) Py_RETURN_NONE;
@@ -118,6 +136,7 @@ PyObject* py_storage_array(PyObject* /*self*/, PyObject* obj) {
   HANDLE_TH_ERRORS
   c10::Storage storage = storage_arg(obj);
   TpuBuffer* buf = buffer_of(storage);
+  resolve_pending(buf);
   PyObject* arr = buf->array ? buf->array : Py_None;
   return Py_BuildValue("(Oni)", arr, static_cast<Py_ssize_t>(buf->nbytes), static_cast<int>(buf->device));
   END_HANDLE_TH_ERRORS
@@ -155,6 +174,7 @@ PyObject* py_fast_args(PyObject* /*self*/, PyObject* args) {
       }
       int idx = impl->device().index();
       TpuBuffer* buf = buffer_of(impl->unsafe_storage());
+      resolve_pending(buf);
       if ((device >= 0 && idx != device) || buf->array == nullptr ||
           buf->array_dtype != impl->dtype().toScalarType() || !impl->sizes().equals(buf->array_shape) ||
           !impl->is_contiguous()) {
@@ -204,6 +224,13 @@ PyObject* py_set_whole(PyObject* /*self*/, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
+PyObject* py_set_pending_type(PyObject* /*self*/, PyObject* type) {
+  Py_INCREF(type);
+  Py_XDECREF(g_pending_type);
+  g_pending_type = type;
+  Py_RETURN_NONE;
+}
+
 PyObject* py_set_dtype_map(PyObject* /*self*/, PyObject* map) {
   Py_INCREF(map);
   Py_XDECREF(g_dtype_map);
@@ -214,6 +241,7 @@ PyObject* py_set_dtype_map(PyObject* /*self*/, PyObject* map) {
 PyMethodDef kFastMethods[] = {
     {"_fast_args", py_fast_args, METH_O, "(device, mask, arrays) when every argument takes the fast path"},
     {"_set_dtype_map", py_set_dtype_map, METH_O, "{numpy dtype: torch.dtype} used by _wrap"},
+    {"_set_pending_type", py_set_pending_type, METH_O, "the deferred-value placeholder type (resolved on read)"},
     {"_set_whole", py_set_whole, METH_VARARGS, "swap in an array of exactly the tensor's shape and dtype"},
     {"_array", py_array, METH_O, "the storage's array if the tensor views it whole, else None"},
     {"_wrap", py_wrap, METH_VARARGS, "wrap a device array as a new tpu tensor"},

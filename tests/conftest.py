@@ -26,16 +26,18 @@ def pytest_configure(config: pytest.Config) -> None:
         )
 
 
-def run_python(code: str, env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_python(code: str, env: dict[str, str] | None = None, timeout: int = 300,
+               args: list[str] | None = None) -> subprocess.CompletedProcess:
     """Runs `code` in a fresh interpreter (cwd outside the repo, so the source tree cannot shadow the wheel)."""
     full_env = dict(os.environ)
     full_env.pop("TORCH_TPU_NUM_DEVICES", None)
     full_env.pop("TORCH_TPU_PLATFORM", None)
     full_env.pop("TORCH_TPU_CPU_FALLBACK", None)
+    full_env.pop("TORCH_TPU_EAGER_MODE", None)
     if env:
         full_env.update(env)
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=timeout, cwd="/"
+        [sys.executable, "-c", code, *(args or [])], capture_output=True, text=True, env=full_env, timeout=timeout, cwd="/"
     )
 
 

@@ -66,3 +66,10 @@ def test_fresh_venv_with_only_torch_jax_and_the_wheel(tmp_path: Path) -> None:
     r = subprocess.run([py, "-c", CHECK], capture_output=True, text=True, cwd=str(tmp_path), timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().endswith("tpu:0")
+
+
+def test_import_torch_tpu_first_and_run_as_module() -> None:
+    """`import torch_tpu` before torch (and `python -m torch_tpu.<module>`) loads the backend once, no cycle."""
+    out = run_python("import torch_tpu, torch; print(torch.ones(2, device='tpu').sum().item())")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "2.0"

@@ -128,7 +128,171 @@ def bench_training() -> None:
               f"  -> tpu/cpu {rates['tpu'] / rates['cpu']:.2f}x")
 
 
-BENCHMARKS = {"eager_overhead": bench_eager_overhead, "op_overhead": bench_op_overhead, "training": bench_training}
+def _example(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    if str(examples) not in sys.path:
+        sys.path.insert(0, str(examples))
+    spec = importlib.util.spec_from_file_location(f"example_{name}", examples / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _modes_side_by_side(fn: Callable[[], object], calls: int, trials: int = 5) -> dict[str, float]:
+    """Median us per call of `fn` (which must wait for its result) under DEFER_NEVER and DEFER_AND_FUSE,
+    interleaved trials."""
+    modes = ("DEFER_NEVER", "DEFER_AND_FUSE")
+
+    def in_mode(mode: str) -> Callable[[], object]:
+        def run() -> object:
+            with torch.tpu.set_eager_mode(mode):
+                for _ in range(calls):
+                    fn()
+            return None
+        return run
+
+    for m in modes:  # warm-up: compile both
+        with torch.tpu.set_eager_mode(m):
+            for _ in range(3):
+                fn()
+    samples: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(trials):
+        for m in modes:
+            samples[m].append(per_call_us(in_mode(m), 1) / calls)
+    return {m: statistics.median(v) for m, v in samples.items()}
+
+
+def bench_fuse() -> None:
+    """DEFER_AND_FUSE vs DEFER_NEVER, side by side: a 10-op elementwise chain on 1024x1024 (target >= 3x), an MLP
+    training step (target >= 1.5x), a GPT block forward. Every timed call waits for its result."""
+    print(f"fuse  platform={torch.tpu.get_device_name()}  (median of interleaved trials; each call waits)")
+    x = torch.randn(1024, 1024, device="tpu")
+    w = torch.randn(1024, 1024, device="tpu")
+
+    def chain() -> None:  # 10 elementwise ops, memory-bound: what op-by-op execution is worst at
+        y = x * 2.0
+        y = y + w
+        y = y - 0.5
+        y = y * x
+        y = torch.relu(y)
+        y = y / 3.0
+        y = y + 1.0
+        y = torch.maximum(y, w)
+        y = y * y
+        y = y - x
+        torch.tpu.synchronize()
+
+    def chain_transcendental() -> None:  # the same length with sin/tanh/exp: compute-bound on a CPU
+        y = torch.sin(x * 2.0 + 1.0)
+        y = torch.tanh(y * x) - 0.5
+        y = torch.relu(torch.exp(y) / 3.0) + x
+        torch.tpu.synchronize()
+
+    def report(name: str, r: dict[str, float], target: str) -> None:
+        never, fuse = r["DEFER_NEVER"], r["DEFER_AND_FUSE"]
+        print(f"  {name:<34} DEFER_NEVER {never / 1e3:8.2f} ms  DEFER_AND_FUSE {fuse / 1e3:8.2f} ms"
+              f"  -> speed-up {never / fuse:5.2f}x {target}")
+
+    report("10-op chain 1024x1024 (+,-,*,/,max)", _modes_side_by_side(chain, 20), "(target >= 3x)")
+    report("10-op chain with sin/tanh/exp", _modes_side_by_side(chain_transcendental, 10), "")
+
+    mod = _example("mlp")
+    model, batches, loss_fn = mod.build(0)
+    model = model.tpu()
+    opt = mod.optimizer(model)
+    bx, by = (t.tpu() for t in next(batches))
+
+    def mlp_step() -> None:
+        opt.zero_grad()
+        loss = loss_fn(model(bx), by)
+        loss.backward()
+        opt.step()
+        loss.item()
+
+    report("MLP training step", _modes_side_by_side(mlp_step, 20), "(target >= 1.5x)")
+
+    gpt = _example("gpt")
+    torch.manual_seed(0)
+    block = gpt.Block().tpu()
+    h = torch.randn(16, gpt.CONTEXT, gpt.WIDTH, device="tpu")
+
+    def block_forward() -> None:
+        with torch.no_grad():
+            block(h)
+        torch.tpu.synchronize()
+
+    report("GPT block forward (16x32x64)", _modes_side_by_side(block_forward, 20), "")
+
+    gmodel, gbatches, gloss = gpt.build(0)
+    gmodel = gmodel.tpu()
+    gopt = gpt.optimizer(gmodel)
+    gx, gy = (t.tpu() for t in next(gbatches))
+
+    def gpt_step() -> None:
+        gopt.zero_grad()
+        loss = gloss(gmodel(gx), gy)
+        loss.backward()
+        gopt.step()
+        loss.item()
+
+    report("GPT training step", _modes_side_by_side(gpt_step, 10), "")
+
+
+_FIRST_STEP = """
+import sys, time
+t0 = time.perf_counter()
+import torch
+sys.path.insert(0, {examples!r})
+import mlp
+model, batches, loss_fn = mlp.build(0)
+model = model.tpu()
+opt = mlp.optimizer(model)
+x, y = (t.tpu() for t in next(batches))
+opt.zero_grad()
+loss = loss_fn(model(x), y)
+loss.backward()
+opt.step()
+loss.item()
+t1 = time.perf_counter()
+s = torch.tpu.compile_cache.stats()
+print(f"RESULT {{t1 - t0}} {{s.hits}} {{s.misses}}")
+"""
+
+
+def bench_cold_start() -> None:
+    """First training step (import, model to tpu, forward, backward, optimizer step, loss.item()) of a fresh
+    process with an empty persistent compile cache vs a warm one (target: warm <= 20% of cold)."""
+    import os
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    examples = str(Path(__file__).resolve().parent.parent / "examples")
+    code = _FIRST_STEP.format(examples=examples)
+    print("cold_start  (fresh process per run: MLP example, first step incl. import; median of 3 runs each)")
+    for mode in ("DEFER_NEVER", "DEFER_AND_FUSE"):
+        cold, warm = [], []
+        hits = misses = 0
+        for _ in range(3):
+            with tempfile.TemporaryDirectory() as d:
+                env = dict(os.environ, TORCH_TPU_CACHE_DIR=d, TORCH_TPU_EAGER_MODE=mode)
+                for bucket in (cold, warm):
+                    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                         check=True, cwd="/")
+                    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")][-1].split()
+                    bucket.append(float(line[1]))
+                    if bucket is warm:
+                        hits, misses = int(line[2]), int(line[3])
+        c, w = statistics.median(cold), statistics.median(warm)
+        print(f"  {mode:<15} cold {c:6.2f} s  warm {w:6.2f} s  -> warm/cold {w / c:5.1%} (target <= 20%)"
+              f"  [warm run: {hits} cache hits, {misses} misses]")
+
+
+BENCHMARKS = {"eager_overhead": bench_eager_overhead, "op_overhead": bench_op_overhead, "training": bench_training,
+              "fuse": bench_fuse, "cold_start": bench_cold_start}
 
 
 def main(argv: list[str]) -> int:

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import os
 
-import torch
+
+def _autoload() -> None:
+    """Entry point of the `torch.backends` group: importing this package does the work. Defined before
+    `import torch`, which loads this entry point while `import torch_tpu` (or `python -m torch_tpu.x`) is still
+    running: the rest of this module then finishes the set-up."""
+
+
+import torch  # noqa: E402
 
 from torch_tpu import _C  # the C++ runtime: allocator, guard, hooks, generator, metadata kernels
 
@@ -20,7 +27,7 @@ _FALLBACK_MODES = {"": 0, "0": 0, "strict": 0, "off": 0, "warn": 1, "1": 1}
 
 
 def _setup() -> None:
-    from torch_tpu import _runtime, _storage, device_module, kernels
+    from torch_tpu import _deferred, _runtime, _storage, device_module, kernels
 
     torch.utils.rename_privateuse1_backend("tpu")
     torch._register_device_module("tpu", device_module)
@@ -29,6 +36,8 @@ def _setup() -> None:
     )
     _C._set_callbacks(_runtime.start, _storage.resize_array, _runtime.synchronize)
     kernels.install()
+    _C._set_pending_type(_deferred.Pending)  # DEFER_AND_FUSE placeholders, resolved by the C++ accessors
+    _deferred.mode_from_env()
     # TPUs compute in bfloat16 natively: torch.autocast("tpu") defaults to it (runtime/TpuAutocast.cpp has the
     # per-op policy).
     torch.set_autocast_dtype("tpu", torch.bfloat16)
@@ -43,7 +52,3 @@ def _setup() -> None:
 
 
 _setup()
-
-
-def _autoload() -> None:
-    """Entry point of the `torch.backends` group: importing this package did the work."""

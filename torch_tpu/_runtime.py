@@ -83,9 +83,11 @@ def start() -> int:
             _platform, _devices = _pick_devices()
             if not _JAX_TO_TORCH:
                 _build_dtype_maps()
-            from torch_tpu import _C
+            from torch_tpu import _C, _metrics, compile_cache
 
             _C._set_dtype_map(dict(_JAX_TO_TORCH))
+            _metrics.install_listener()
+            compile_cache.install()
         return len(_devices)
 
 
@@ -100,6 +102,18 @@ def devices() -> list[Any]:
 
 def device(index: int) -> Any:
     return devices()[index]
+
+
+_index_of: dict[Any, int] = {}
+
+
+def index_of(arr: Any) -> int:
+    """The tpu index of the device holding the (single-device) array `arr`."""
+    d = next(iter(arr.devices()))
+    i = _index_of.get(d)
+    if i is None:
+        i = _index_of[d] = devices().index(d)
+    return i
 
 
 def platform() -> str:
@@ -190,7 +204,10 @@ def upload(t: torch.Tensor, index: int) -> Any:
 
 def download(arr: Any) -> torch.Tensor:
     """A CPU tensor with the values of the device array `arr` (waits for it)."""
-    np_arr = np.asarray(arr)
+    from torch_tpu import _deferred, _metrics
+
+    _metrics.tick()
+    np_arr = np.asarray(_deferred.concrete(arr))
     dtype = torch_dtype(np_arr.dtype)
     as_int = _VIEW_AS_INT.get(dtype)
     if as_int is not None:
@@ -207,6 +224,10 @@ def synchronize(index: int | None = None) -> None:
         return
     import jax
 
+    from torch_tpu import _deferred, _metrics
+
+    _metrics.tick()
+    _deferred.flush_all("synchronize")
     want = None if index is None or index < 0 else _devices[index]
     for a in jax.live_arrays():
         if want is None or want in a.devices():

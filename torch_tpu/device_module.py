@@ -9,14 +9,17 @@ from typing import Any, Iterator
 
 import torch
 
-from torch_tpu import _C, _runtime
+from torch_tpu import _C, _deferred, _metrics, _runtime, compile_cache
+from torch_tpu._deferred import EagerMode
+from torch_tpu._metrics import RecompilationWarning
 
 __all__ = [
     "device", "device_count", "current_device", "set_device", "is_available", "is_initialized", "synchronize",
     "get_device_name", "get_device_properties", "manual_seed", "manual_seed_all", "seed", "seed_all",
     "initial_seed", "get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all",
     "default_generators", "get_amp_supported_dtype", "is_bf16_supported", "set_cpu_fallback",
-    "fallback_report", "platform", "memory_allocated", "live_storages",
+    "fallback_report", "platform", "memory_allocated", "live_storages", "EagerMode", "eager_mode",
+    "set_eager_mode", "metrics", "reset_metrics", "compile_cache", "RecompilationWarning",
 ]
 
 DeviceLike = int | str | torch.device | None
@@ -284,3 +287,47 @@ def memory_allocated(d: DeviceLike = None) -> int:
 
     dev = _runtime.device(_index(d))
     return sum(a.nbytes for a in jax.live_arrays() if dev in a.devices())
+
+
+# ---- execution modes and metrics ----
+
+def _get_eager_mode() -> EagerMode:
+    return EagerMode(_deferred.mode)
+
+
+@contextlib.contextmanager
+def set_eager_mode(mode: EagerMode | str) -> Iterator[None]:
+    """Runs the block in `mode` (an EagerMode or its name), then restores the previous mode. Pending
+    DEFER_AND_FUSE work is flushed when the mode changes."""
+    old = _deferred.set_mode(mode)
+    try:
+        yield
+    finally:
+        _deferred.set_mode(old)
+
+
+def metrics() -> _metrics.Metrics:
+    """Counters since start (or reset_metrics()): XLA compiles and their time, persistent-cache hits, fused
+    graphs compiled and run, DEFER_AND_FUSE flushes by reason, CPU fallbacks by op."""
+    return _metrics.metrics()
+
+
+def reset_metrics() -> None:
+    _metrics.reset()
+    _C._reset_fallback_counts()
+
+
+class _DeviceModule(type(contextlib)):  # the module type, with `eager_mode` as a settable property
+    @property
+    def eager_mode(self) -> EagerMode:
+        """The process-wide execution mode: `torch.tpu.eager_mode = torch.tpu.EagerMode.DEFER_AND_FUSE`."""
+        return _get_eager_mode()
+
+    @eager_mode.setter
+    def eager_mode(self, mode: EagerMode | str) -> None:
+        _deferred.set_mode(mode)
+
+
+import sys as _sys  # noqa: E402
+
+_sys.modules[__name__].__class__ = _DeviceModule

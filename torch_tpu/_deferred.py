@@ -1,0 +1,508 @@
+"""Execution modes, and the pending graph of DEFER_AND_FUSE.
+
+Every kernel computes its result with jitted JAX functions: the registry's per-op callables
+(kernels/registry.py), the storage readers and writers (_storage.py) and the helpers kernels build with
+`jitted()`. In the eager modes they run at once. Under DEFER_AND_FUSE, `record()` appends the call to the
+pending graph of its device instead and returns `Pending` placeholders carrying the result's shape and dtype
+(from a cached `jax.eval_shape`); storages hold these placeholders like arrays. `flush()` runs the whole
+graph as one cached `jax.jit` program whose outputs are only the placeholders still alive (a storage or a
+tensor holds them): results nobody can read are never materialised. The C++ accessors swap a resolved
+placeholder for its array on first read (runtime/TpuPython.cpp).
+
+A graph is flushed when a value is needed: `.cpu()`, `.item()`, printing, `torch.tpu.synchronize()`, an op
+with data-dependent shapes or any kernel not written for deferral (they run eagerly after the flush), a mode
+change, a tensor moving to another device, and a size limit (TORCH_TPU_FUSE_MAX_OPS, default 1000 ops).
+The graph's cache key is structural: per op its callable's id, where its inputs come from, and their
+shapes/dtypes; Python scalars are inputs, so new values do not recompile.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import os
+import sys
+import threading
+import weakref
+from typing import Any, Callable
+
+from torch_tpu import _metrics
+from torch_tpu._jax import jax
+
+
+class EagerMode(enum.IntEnum):
+    """How tpu ops execute (`torch.tpu.eager_mode`)."""
+
+    DEFER_NEVER = 0  # each op runs when called (asynchronously dispatched)
+    DEFER_NEVER_AND_LAUNCH_BLOCKING = 1  # each op runs when called and the host waits for it: errors surface at the op
+    DEFER_AND_FUSE = 2  # ops are recorded and run as one XLA computation when a value is needed
+
+    def __str__(self) -> str:
+        return f"EagerMode.{self.name}"
+
+    __repr__ = __str__
+
+
+# The hot paths read these module globals: `mode` (an EagerMode int) and `fusing` (mode is DEFER_AND_FUSE).
+mode = EagerMode.DEFER_NEVER
+fusing = False
+_tls = threading.local()  # .suspended: > 0 while a kernel that needs concrete arrays runs
+_lock = threading.RLock()
+_ids = itertools.count(1)
+
+
+def recording() -> bool:
+    """True when tpu ops on this thread are recorded instead of run."""
+    return fusing and not getattr(_tls, "suspended", 0)
+
+
+def _parse_mode(value: Any) -> EagerMode:
+    if isinstance(value, EagerMode):
+        return value
+    if isinstance(value, str):
+        key = value.strip().upper()
+        if key in EagerMode.__members__:
+            return EagerMode[key]
+    elif isinstance(value, int) and value in tuple(EagerMode):
+        return EagerMode(value)
+    raise ValueError(
+        f"torch_tpu: unknown eager mode {value!r}; use one of torch.tpu.EagerMode."
+        f"{', torch.tpu.EagerMode.'.join(EagerMode.__members__)} (or their names in TORCH_TPU_EAGER_MODE)"
+    )
+
+
+def set_mode(value: Any) -> EagerMode:
+    """Sets the process-wide mode (flushing pending work first); returns the previous one."""
+    global mode, fusing
+    new = _parse_mode(value)
+    with _lock:
+        old = mode
+        if old == EagerMode.DEFER_AND_FUSE and new != old:
+            flush_all("mode_change")
+        mode = new
+        fusing = new == EagerMode.DEFER_AND_FUSE
+    return old
+
+
+def mode_from_env() -> None:
+    value = os.environ.get("TORCH_TPU_EAGER_MODE", "").strip()
+    if value:
+        try:
+            set_mode(value)
+        except ValueError as e:
+            raise RuntimeError(f"TORCH_TPU_EAGER_MODE={value!r}: {e}") from None
+
+
+class suspended:
+    """Context: ops on this thread run eagerly (a kernel that needs concrete arrays)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _tls.suspended = getattr(_tls, "suspended", 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        _tls.suspended -= 1
+
+
+# ---- placeholders ----
+
+class DeferredError(RuntimeError):
+    pass
+
+
+class Pending:
+    """A value a pending graph will compute. Storages hold it like a device array (shape, dtype)."""
+
+    __slots__ = ("graph", "node", "out", "shape", "dtype", "weak_type", "value", "error", "__weakref__")
+
+    def __init__(self, graph: "_Graph", node: int, out: int, aval: Any) -> None:
+        self.graph = graph
+        self.node = node
+        self.out = out
+        self.shape = tuple(aval.shape)
+        self.dtype = aval.dtype
+        self.weak_type = bool(getattr(aval, "weak_type", False))
+        self.value = None
+        self.error: BaseException | None = None
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def concrete(self, reason: str = "value_needed") -> Any:
+        if self.value is None:
+            if self.error is not None:
+                raise DeferredError(
+                    f"torch_tpu: this tensor's value came from a deferred graph that failed: {self.error}"
+                ) from self.error
+            flush(self.graph, reason)
+        return self.value
+
+    def __repr__(self) -> str:
+        state = "resolved" if self.value is not None else "pending"
+        return f"Pending({state}, shape={self.shape}, dtype={self.dtype})"
+
+
+def concrete(x: Any, reason: str = "value_needed") -> Any:
+    """`x` with every Pending (also inside lists/tuples) replaced by its computed array (flushing if needed)."""
+    if type(x) is Pending:
+        return x.concrete(reason)
+    if isinstance(x, (list, tuple)):
+        return type(x)(concrete(v, reason) for v in x)
+    return x
+
+
+# ---- the pending graph ----
+
+class _Graph:
+    __slots__ = ("index", "inputs", "input_pos", "nodes", "keys", "pendings", "__weakref__")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.inputs: list[Any] = []  # concrete arguments: device arrays and Python scalars
+        self.input_pos: dict[int, int] = {}  # id(device array) -> position in inputs (arrays are deduplicated)
+        self.nodes: list[tuple[Callable[..., Any], tuple, Any]] = []  # (fn, arg specs, output treedef)
+        self.keys: list[int] = []  # structural id per node (see _nodes)
+        self.pendings: list[weakref.ref] = []  # every placeholder handed out, in order
+
+
+_graphs: dict[int, _Graph] = {}
+_avals: dict[tuple, tuple[list[Any], Any]] = {}  # (fn key, arg signature) -> (output avals, treedef)
+# (fn key, arg specs, arg signature) -> (node id, output avals, treedef): a graph's key is its node ids, so a
+# flush hashes a tuple of ints, not the nested structure of every op.
+_nodes: dict[tuple, tuple[int, list[Any], Any]] = {}
+_fused: dict[tuple, Callable[..., Any]] = {}  # graph key -> jitted program
+_SCALARS = (bool, int, float, complex)
+
+
+def max_ops() -> int:
+    try:
+        return max(1, int(os.environ.get("TORCH_TPU_FUSE_MAX_OPS", "1000")))
+    except ValueError:
+        return 1000
+
+
+_MAX_OPS = max_ops()
+
+
+def _graph(index: int) -> _Graph:
+    g = _graphs.get(index)
+    if g is None:
+        g = _graphs[index] = _Graph(index)
+    return g
+
+
+def _input(g: _Graph, a: Any) -> tuple[tuple, Any]:
+    pos = g.input_pos.get(id(a))
+    if pos is None:
+        pos = g.input_pos[id(a)] = len(g.inputs)
+        g.inputs.append(a)
+    return ("i", pos), (tuple(a.shape), a.dtype, bool(getattr(a, "weak_type", False)))
+
+
+def _arg(g: _Graph, a: Any) -> tuple[Any, Any]:
+    """(spec, signature) of one argument of a recorded call."""
+    t = type(a)
+    if t is Pending:
+        if a.value is not None:
+            return _input(g, a.value)
+        if a.graph is not g:
+            return _input(g, a.concrete("transfer"))  # another device's graph: materialise it
+        return ("n", a.node, a.out), (a.shape, a.dtype, a.weak_type)
+    if a is None:
+        return None, None
+    if t in _SCALARS:
+        pos = len(g.inputs)
+        g.inputs.append(a)
+        return ("i", pos), t
+    if t is list or t is tuple:
+        parts = [_arg(g, v) for v in a]
+        return ("l", tuple(p[0] for p in parts)), tuple(p[1] for p in parts)
+    if hasattr(a, "shape") and hasattr(a, "dtype"):  # a device array (or numpy value)
+        return _input(g, a)
+    return ("c", a), ("c", a)  # a hashable constant
+
+
+def _abstract(spec: Any, sig: Any, inputs: list[Any]) -> Any:
+    if spec is None:
+        return None
+    kind = spec[0]
+    if kind == "l":
+        return [_abstract(s, g, inputs) for s, g in zip(spec[1], sig)]
+    if kind == "c":
+        return spec[1]
+    if kind == "i" and type(inputs[spec[1]]) in _SCALARS:
+        return inputs[spec[1]]
+    shape, dtype, weak = sig
+    return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
+
+
+def record(index: int, fkey: Any, fn: Callable[..., Any], args: tuple | list) -> Any:
+    """Appends `fn(*args)` to tpu:`index`'s pending graph; returns placeholders shaped like its result."""
+    with _lock:
+        g = _graph(index)
+        n_inputs = len(g.inputs)
+        try:
+            parts = [_arg(g, a) for a in args]
+            specs = tuple(p[0] for p in parts)
+            sig = tuple(p[1] for p in parts)
+            nkey = (fkey, specs, sig)
+            info = _nodes.get(nkey)
+            if info is None:
+                akey = (fkey, sig)
+                shaped = _avals.get(akey)
+                if shaped is None:
+                    abstract = [_abstract(s, gs, g.inputs) for s, gs in zip(specs, sig)]
+                    out = jax.eval_shape(fn, *abstract)
+                    shaped = _avals[akey] = jax.tree_util.tree_flatten(out)
+                info = _nodes[nkey] = (len(_nodes), shaped[0], shaped[1])
+        except BaseException:
+            _truncate_inputs(g, n_inputs)
+            raise
+        node_id, leaves, treedef = info
+        node = len(g.nodes)
+        g.nodes.append((fn, specs, treedef))
+        g.keys.append(node_id)
+        outs = []
+        for j, aval in enumerate(leaves):
+            p = Pending(g, node, j, aval)
+            g.pendings.append(weakref.ref(p))
+            outs.append(p)
+        result = jax.tree_util.tree_unflatten(treedef, outs)
+        if len(g.nodes) >= _MAX_OPS:
+            flush(g, "size_limit")
+        return result
+
+
+def _truncate_inputs(g: _Graph, n: int) -> None:
+    """Drops inputs added by a call that failed before it was recorded."""
+    for a in g.inputs[n:]:
+        g.input_pos.pop(id(a), None)
+    del g.inputs[n:]
+
+
+def _replay(nodes: list[tuple[Callable[..., Any], tuple, Any]], outs: tuple[tuple[int, int], ...]) -> Callable:
+    def value(spec: Any, inputs: tuple, env: list) -> Any:
+        if spec is None:
+            return None
+        kind = spec[0]
+        if kind == "i":
+            return inputs[spec[1]]
+        if kind == "n":
+            return env[spec[1]][spec[2]]
+        if kind == "l":
+            return [value(s, inputs, env) for s in spec[1]]
+        return spec[1]
+
+    def fused(*inputs: Any) -> list[Any]:
+        env: list[list[Any]] = []
+        for fn, specs, _ in nodes:
+            env.append(jax.tree_util.tree_leaves(fn(*(value(s, inputs, env) for s in specs))))
+        return [env[n][o] for n, o in outs]
+
+    return fused
+
+
+def flush(g: _Graph | None, reason: str) -> None:
+    """Runs tpu:`g.index`'s pending graph as one program; every placeholder still alive gets its value."""
+    if g is None:
+        return
+    with _lock:
+        if _graphs.get(g.index) is not g or not g.nodes:
+            return
+        del _graphs[g.index]  # recording from here on starts a new graph
+        alive = [p for r in g.pendings if (p := r()) is not None and p.value is None]
+        _metrics.flush(reason, len(g.nodes), len(alive))
+        if not alive:
+            return  # nothing can read any result: nothing to run
+        outs = tuple((p.node, p.out) for p in alive)
+        donate = _donatable(g.inputs, alive)
+        key = (tuple(g.keys), outs, donate)
+        fn = _fused.get(key)
+        try:
+            if fn is None:
+                from torch_tpu import _runtime
+
+                replay = _replay(list(g.nodes), outs)
+                replay.__name__ = f"torch_tpu_fused_{len(g.nodes)}_ops"
+                fn = jax.jit(replay, out_shardings=jax.sharding.SingleDeviceSharding(_runtime.device(g.index)),
+                             donate_argnums=donate)
+                _metrics.fused_compile()
+                _fused[key] = fn
+            results = fn(*g.inputs)
+        except BaseException as e:
+            for p in alive:
+                p.error = e
+            names = sorted({_op_name(fn) for fn, _, _ in g.nodes})[:12]
+            raise DeferredError(
+                f"torch_tpu: running the deferred graph of {len(g.nodes)} ops on tpu:{g.index} failed "
+                f"(ops include {', '.join(names)}): {type(e).__name__}: {e}. Rerun with "
+                "TORCH_TPU_EAGER_MODE=DEFER_NEVER_AND_LAUNCH_BLOCKING to find the op."
+            ) from e
+        for p, r in zip(alive, results):
+            p.value = r
+            p.graph = None
+
+
+_ARRAY_TYPE: list[type] = []
+
+
+def _donatable(inputs: list[Any], alive: list[Pending]) -> tuple[int, ...]:
+    """Inputs whose buffers the fused program may reuse for its outputs: device arrays that nothing but this
+    graph references any more (an in-place op swapped their storage to a placeholder, as after `p.add_(g)`),
+    each matched to an output of the same shape and dtype (XLA cannot reuse the others)."""
+    if not _ARRAY_TYPE:
+        _ARRAY_TYPE.append(type(jax.numpy.zeros(())))
+    array_type = _ARRAY_TYPE[0]
+    wanted: dict[tuple, int] = {}
+    for p in alive:
+        k = (p.shape, p.dtype)
+        wanted[k] = wanted.get(k, 0) + 1
+    donate = []
+    getrefcount = sys.getrefcount
+    for i in range(len(inputs)):
+        # References: the inputs list and getrefcount's argument. Anything else (a storage, a tensor being
+        # read, a numpy view) keeps the buffer.
+        if type(inputs[i]) is array_type and getrefcount(inputs[i]) <= 2:
+            a = inputs[i]
+            k = (a.shape, a.dtype)
+            del a
+            if wanted.get(k, 0) > 0:
+                wanted[k] -= 1
+                donate.append(i)
+    return tuple(donate)
+
+
+def _op_name(fn: Any) -> str:
+    return getattr(fn, "_torch_tpu_op", None) or getattr(fn, "__qualname__", "op")
+
+
+def flush_all(reason: str) -> None:
+    with _lock:
+        for g in list(_graphs.values()):
+            flush(g, reason)
+
+
+def flush_device(index: int, reason: str) -> None:
+    flush(_graphs.get(index), reason)
+
+
+def pending_ops(index: int | None = None) -> int:
+    """Ops recorded and not yet run (on tpu:`index`, or on all devices)."""
+    if index is None:
+        return sum(len(g.nodes) for g in _graphs.values())
+    g = _graphs.get(index)
+    return len(g.nodes) if g is not None else 0
+
+
+# ---- jitted helpers that defer ----
+
+class Jitted:
+    """A jitted function that runs now in the eager modes and is recorded under DEFER_AND_FUSE.
+
+    `index` places results of calls without array arguments (creation ops); otherwise the device follows
+    the arguments."""
+
+    __slots__ = ("fn", "_jitted", "_jit_kwargs", "key", "index", "__weakref__")
+
+    def __init__(self, fn: Callable[..., Any], index: int | None = None, **jit_kwargs: Any) -> None:
+        self.fn = fn
+        self.index = index
+        self._jitted = None  # made on the first eager call (creating it here would import JAX at import time)
+        self._jit_kwargs = jit_kwargs
+        self.key = (getattr(fn, "__qualname__", "jitted"), next(_ids))
+
+    def __call__(self, *args: Any) -> Any:
+        if fusing and not getattr(_tls, "suspended", 0):
+            return record(self._index(args), self.key, self.fn, args)
+        if self._jitted is None:
+            self._make()
+        return self._jitted(*args)
+
+    def _make(self) -> None:
+        kwargs = dict(self._jit_kwargs)
+        if self.index is not None:
+            from torch_tpu import _runtime
+
+            kwargs.setdefault("out_shardings", jax.sharding.SingleDeviceSharding(_runtime.device(self.index)))
+        self._jitted = jax.jit(self.fn, **kwargs)
+
+    def _index(self, args: tuple) -> int:
+        if self.index is not None:
+            return self.index
+        for a in args:
+            if type(a) is Pending:
+                if a.graph is not None:
+                    return a.graph.index
+                a = a.value
+            if hasattr(a, "devices") and not isinstance(a, type):
+                from torch_tpu import _runtime
+
+                return _runtime.index_of(a)
+        from torch_tpu import _C
+
+        return _C._current_device()
+
+
+def jitted(fn: Callable[..., Any], index: int | None = None, **jit_kwargs: Any) -> Jitted:
+    return Jitted(fn, index, **jit_kwargs)
+
+
+# ---- kernels that need concrete arrays ----
+
+def boundary(fn: Callable[..., Any], reason: str) -> Callable[..., Any]:
+    """Wraps a kernel that reads concrete arrays: under DEFER_AND_FUSE it flushes pending work first and runs
+    eagerly; under DEFER_NEVER_AND_LAUNCH_BLOCKING it waits for the device afterwards."""
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if not mode:
+            return fn(*args, **kwargs)
+        if mode == EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
+            out = fn(*args, **kwargs)
+            block(out)
+            return out
+        if getattr(_tls, "suspended", 0):
+            return fn(*args, **kwargs)
+        flush_all(reason)
+        with suspended():
+            return fn(*args, **kwargs)
+
+    kernel.__name__ = getattr(fn, "__name__", "kernel")
+    kernel.__qualname__ = getattr(fn, "__qualname__", kernel.__name__)
+    kernel.__wrapped__ = fn  # type: ignore[attr-defined]
+    return kernel
+
+
+def block(out: Any) -> None:
+    """DEFER_NEVER_AND_LAUNCH_BLOCKING: wait until the device finished the op that produced `out`."""
+    from torch_tpu import _runtime
+
+    _runtime.synchronize()
+
+
+def block_arrays(out: Any) -> None:
+    for a in jax.tree_util.tree_leaves(out):
+        if hasattr(a, "block_until_ready"):
+            a.block_until_ready()
+
+
+def blocking_after(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps a deferrable direct kernel: under DEFER_NEVER_AND_LAUNCH_BLOCKING it waits for the device after."""
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        if mode == EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
+            block(out)
+        return out
+
+    kernel.__name__ = getattr(fn, "__name__", "kernel")
+    kernel.__wrapped__ = fn  # type: ignore[attr-defined]
+    return kernel

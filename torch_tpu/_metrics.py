@@ -1,0 +1,212 @@
+"""Counters behind `torch.tpu.metrics()`, and the recompilation-storm warning.
+
+Compiles are observed through JAX's own monitoring events (one per XLA compilation, persistent-cache
+retrievals included); flushes and fused graphs are counted by torch_tpu/_deferred.py; the persistent cache
+counts its hits in torch_tpu.compile_cache; CPU fallbacks are counted in C++ (runtime/TpuFallback.cpp).
+
+A call site (the first frame outside torch, JAX and torch_tpu) whose op or deferred graph keeps compiling for
+new input shapes gets one warning naming the shapes that changed (TORCH_TPU_RECOMPILE_WARN=N sets how many
+compiles of one op at one site trigger it, default 8; 0 turns it off).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import sys
+import threading
+import warnings
+from typing import Any
+
+_lock = threading.Lock()
+_flushes: collections.Counter[str] = collections.Counter()
+_counts = {"compiles": 0, "compile_seconds": 0.0, "fused_graph_compiles": 0, "fused_graph_runs": 0,
+           "fused_ops": 0, "fused_outputs": 0, "persistent_cache_hits": 0}
+_listening = False
+
+
+class RecompilationWarning(UserWarning):
+    """The same op or graph at one call site keeps compiling because its input shapes change."""
+
+
+@dataclasses.dataclass
+class Metrics:
+    compiles: int  # XLA compilations (persistent-cache retrievals excluded)
+    compile_seconds: float  # time in XLA compilation (and cache retrieval)
+    persistent_cache_hits: int  # executables loaded from the on-disk cache instead of compiled
+    fused_graph_compiles: int  # distinct DEFER_AND_FUSE graphs compiled
+    fused_graph_runs: int  # DEFER_AND_FUSE graphs run
+    fused_ops: int  # ops recorded into fused graphs
+    fused_outputs: int  # values fused graphs materialised (results no tensor refers to any more are not)
+    flushes: dict[str, int]  # DEFER_AND_FUSE flushes by reason
+    cpu_fallbacks: dict[str, int]  # ops run through the opt-in CPU fallback, by aten overload
+
+    def __str__(self) -> str:
+        lines = [f"{k}: {v}" for k, v in dataclasses.asdict(self).items() if not isinstance(v, dict)]
+        lines.append("flushes: " + (", ".join(f"{k}={v}" for k, v in sorted(self.flushes.items())) or "none"))
+        lines.append("cpu_fallbacks: " + (", ".join(f"{k}={v}" for k, v in sorted(self.cpu_fallbacks.items()))
+                                          or "none"))
+        return "\n".join(lines)
+
+
+def metrics() -> Metrics:
+    from torch_tpu import _C
+
+    with _lock:
+        c = dict(_counts)
+        flushes = dict(_flushes)
+    return Metrics(
+        compiles=max(0, c["compiles"] - c["persistent_cache_hits"]),
+        compile_seconds=round(c["compile_seconds"], 6),
+        persistent_cache_hits=c["persistent_cache_hits"],
+        fused_graph_compiles=c["fused_graph_compiles"],
+        fused_graph_runs=c["fused_graph_runs"],
+        fused_ops=c["fused_ops"],
+        fused_outputs=c["fused_outputs"],
+        flushes=flushes,
+        cpu_fallbacks=dict(_C._fallback_counts()),
+    )
+
+
+def reset() -> None:
+    with _lock:
+        for k in _counts:
+            _counts[k] = 0.0 if isinstance(_counts[k], float) else 0
+        _flushes.clear()
+        _sites.clear()
+        _warned.clear()
+
+
+def tick() -> None:
+    """A host synchronisation: the end of a step, as far as the recompilation warning is concerned."""
+    global epoch
+    epoch += 1
+
+
+def flush(reason: str, n_ops: int, n_outputs: int) -> None:
+    tick()
+    with _lock:
+        _flushes[reason] += 1
+        _counts["fused_ops"] += n_ops
+        if n_outputs:
+            _counts["fused_graph_runs"] += 1
+            _counts["fused_outputs"] += n_outputs
+
+
+def fused_compile() -> None:
+    with _lock:
+        _counts["fused_graph_compiles"] += 1
+
+
+def cache_hit() -> None:
+    with _lock:
+        _counts["persistent_cache_hits"] += 1
+
+
+# ---- compile events ----
+
+def install_listener() -> None:
+    """Registers the JAX monitoring listener (once, when the runtime starts)."""
+    global _listening
+    if _listening:
+        return
+    import jax.monitoring
+
+    from jax._src import dispatch
+
+    event_name = dispatch.BACKEND_COMPILE_EVENT
+
+    def on_duration(event: str, duration: float, **kwargs: Any) -> None:
+        if event != event_name:
+            return
+        with _lock:
+            _counts["compiles"] += 1
+            _counts["compile_seconds"] += duration
+        _check_storm()
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    _listening = True
+
+
+# A warm-up compiles many shapes at one site within one step (an optimizer's parameters); a storm compiles new
+# shapes step after step. Steps are counted by host synchronisations (`.item()`, `.cpu()`, synchronize(),
+# DEFER_AND_FUSE flushes): a site warns once it compiled new shapes in TORCH_TPU_RECOMPILE_WARN different ones.
+epoch = 0
+_sites: dict[tuple[str, str], list[Any]] = {}  # (call site, what) -> [epochs with compiles, previous shapes]
+_warned: set[tuple[str, str]] = set()
+_KERNEL_CODES: dict[Any, str] = {}
+
+
+def _skip_dirs() -> tuple[str, ...]:
+    """Library folders that are not a user's call site: torch, JAX, jaxlib and torch_tpu itself."""
+    return tuple(
+        os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+        for m in (sys.modules.get("torch"), sys.modules.get("jax"), sys.modules.get("jaxlib"))
+        if m is not None and getattr(m, "__file__", None)
+    ) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+
+
+def _threshold() -> int:
+    try:
+        return int(os.environ.get("TORCH_TPU_RECOMPILE_WARN", "8"))
+    except ValueError:
+        return 8
+
+
+def _shapes(values: Any) -> list[Any]:
+    out = []
+    for v in values:
+        shape = getattr(v, "shape", None)
+        if shape is not None:
+            out.append(tuple(shape))
+        elif isinstance(v, (list, tuple)):
+            out.append(_shapes(v))
+    return out
+
+
+def _check_storm() -> None:
+    threshold = _threshold()
+    if threshold <= 0:
+        return
+    what = shapes = None
+    site = None
+    f = sys._getframe(2)
+    skip = _skip_dirs()
+    while f is not None:
+        code = f.f_code
+        if what is None:
+            if code in _KERNEL_CODES:
+                what = f"aten::{f.f_locals['self'].name}"
+                shapes = _shapes(f.f_locals.get("args", ()))
+            elif code.co_name == "flush" and "g" in f.f_locals and hasattr(f.f_locals["g"], "inputs"):
+                what = "the DEFER_AND_FUSE graph"
+                shapes = _shapes(f.f_locals["g"].inputs)
+        if not code.co_filename.startswith(skip) and not code.co_filename.startswith("<"):
+            site = f"{code.co_filename}:{f.f_lineno}"
+            break
+        f = f.f_back
+    if what is None or site is None:
+        return
+    key = (site, what)
+    with _lock:
+        entry = _sites.setdefault(key, [set(), None])
+        entry[0].add(epoch)
+        previous, entry[1] = entry[1], shapes
+        fire = len(entry[0]) >= threshold and key not in _warned and previous != shapes
+        if fire:
+            _warned.add(key)
+    if fire:
+        warnings.warn(
+            f"torch_tpu: {what} called from {site} compiled again in {len(entry[0])} steps because its input "
+            f"shapes keep changing (now {shapes}, before {previous}). Every new shape costs an XLA compilation: pad inputs "
+            "to a few fixed sizes (bucketing) or keep shapes static. TORCH_TPU_RECOMPILE_WARN=N sets the "
+            "threshold, 0 silences this.",
+            RecompilationWarning,
+            stacklevel=2,
+        )
+
+
+def register_kernel_code(code: Any) -> None:
+    """Frames running this code object are op kernels (`self.name` is the op, `args` its arguments)."""
+    _KERNEL_CODES[code] = "kernel"
