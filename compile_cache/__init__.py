@@ -12,14 +12,21 @@ executable; `DiskCache` is the storage JAX writes through, adding what JAX's fil
   recompiled, never loaded;
 - least-recently-used eviction under a size cap (a hit refreshes an entry's modification time);
 - statistics: `torch.tpu.compile_cache.stats()`, and `python -m torch_tpu.compile_cache info|clear|prune`.
+
+torch_tpu also stores, in the same checksummed entries, what lets a warm start skip JAX's tracing and
+lowering too: each op's output shapes under DEFER_AND_FUSE (`s-*` entries) and whole fused programs keyed by
+their structure (`g-*` entries, serialized with jax.experimental.serialize_executable). Their keys add the
+JAX configuration and XLA_FLAGS, which JAX's own key covers for its entries.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import hashlib
 import os
+import pickle
 import struct
 import threading
 import time
@@ -136,42 +143,50 @@ class DiskCache:
         self._tls = threading.local()
         os.makedirs(directory, exist_ok=True)
 
-    def _file(self, key: str) -> str:
+    def _file(self, key: str, prefix: str = "") -> str:
         digest = hashlib.sha256(f"{key}|{self.salt}".encode()).hexdigest()
-        return os.path.join(self.directory, digest + _SUFFIX)
+        return os.path.join(self.directory, prefix + digest + _SUFFIX)
 
     # -- JAX's interface --
     def get(self, key: str) -> bytes | None:
-        path = self._file(key)
+        return self._get(self._file(key), count=True)
+
+    def _get(self, path: str, count: bool) -> bytes | None:
         try:
             with open(path, "rb") as f:
                 data = f.read()
         except FileNotFoundError:
-            with self._lock:
-                self.counters.misses += 1
+            if count:
+                with self._lock:
+                    self.counters.misses += 1
             return None
         except OSError as e:
-            self._discard(path, f"unreadable ({e})")
+            self._discard(path, f"unreadable ({e})", count)
             return None
         problem = _check(data)
         if problem is not None:
-            self._discard(path, problem)
+            self._discard(path, problem, count)
             return None
         try:
             os.utime(path)  # least recently used = oldest modification time
         except OSError:
             pass
-        seconds = _HEADER.unpack_from(data)[3]
-        with self._lock:
-            self.counters.hits += 1
-            self.counters.saved += seconds
-        from torch_tpu import _metrics
+        if count:
+            seconds = _HEADER.unpack_from(data)[3]
+            with self._lock:
+                self.counters.hits += 1
+                self.counters.saved += seconds
+            from torch_tpu import _metrics
 
-        _metrics.cache_hit()
+            _metrics.cache_hit()
         return data[_HEADER.size:]
 
     def put(self, key: str, value: bytes) -> None:
-        path = self._file(key)
+        if getattr(self._tls, "elsewhere", 0):
+            return
+        self._put(self._file(key), value, count=True)
+
+    def _put(self, path: str, value: bytes, count: bool, compile_seconds: float = 0.0) -> None:
         if os.path.exists(path):
             return
         if len(value) + _HEADER.size > self.cap:
@@ -182,7 +197,7 @@ class DiskCache:
                 stacklevel=2,
             )
             return
-        header = _HEADER.pack(_MAGIC, hashlib.sha256(value).digest(), len(value), 0.0)
+        header = _HEADER.pack(_MAGIC, hashlib.sha256(value).digest(), len(value), compile_seconds)
         tmp = os.path.join(self.directory, f".tmp-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}")
         try:
             with open(tmp, "wb") as f:
@@ -196,9 +211,11 @@ class DiskCache:
                 pass
             warnings.warn(f"torch_tpu compile cache: could not write {path}: {e}", CompileCacheWarning, stacklevel=2)
             return
-        with self._lock:
-            self.counters.writes += 1
-        self._tls.last_written = path
+        if count:
+            with self._lock:
+                self.counters.writes += 1
+            if not compile_seconds:
+                self._tls.last_written = path
         self.evict()
 
     def clear(self) -> None:
@@ -221,14 +238,15 @@ class DiskCache:
         finally:
             os.close(fd)
 
-    def _discard(self, path: str, problem: str) -> None:
+    def _discard(self, path: str, problem: str, count: bool = True) -> None:
         try:
             os.unlink(path)
         except OSError:
             pass
         with self._lock:
             self.counters.corrupt += 1
-            self.counters.misses += 1  # nothing usable was found: the program is compiled
+            if count:
+                self.counters.misses += 1  # nothing usable was found: the program is compiled
         warnings.warn(
             f"torch_tpu compile cache: entry {os.path.basename(path)} in {self.directory} is {problem}; it was "
             "discarded and the program is compiled again.",
@@ -286,6 +304,102 @@ def _evict(directory: str, cap: int) -> int:
 
 _cache: DiskCache | None = None
 
+_CONFIG_SKIP = ("jax_compilation_cache_dir", "jax_persistent_cache", "jax_enable_compilation_cache",
+                "jax_compilation_cache_max_size", "jax_raise_persistent_cache_errors", "jax_explain_cache_misses")
+
+
+def _config_text() -> str:
+    """What JAX's key covers for its own entries and torch_tpu's entries must cover too: JAX's configuration
+    (x64, default matmul precision, ...) and XLA's flags."""
+    import jax
+
+    items = sorted((k, repr(v)) for k, v in jax.config.values.items() if not k.startswith(_CONFIG_SKIP))
+    return repr((items, os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", "")))
+
+
+def _meta_file(kind: str, text: str) -> str | None:
+    if _cache is None:
+        return None
+    return _cache._file(f"{kind}|{text}|{_config_text()}", prefix=kind[0] + "-")
+
+
+def get_meta(kind: str, text: str) -> Any:
+    """A Python value torch_tpu stored under (kind, text) in an earlier process, or None."""
+    path = _meta_file(kind, text)
+    if path is None:
+        return None
+    data = _cache._get(path, count=False)
+    if data is None:
+        return None
+    try:
+        return pickle.loads(data)
+    except Exception as e:  # noqa: BLE001 - a damaged entry that passed the checksum: discard, recompute
+        _cache._discard(path, f"unreadable ({type(e).__name__}: {e})", count=False)
+        return None
+
+
+def put_meta(kind: str, text: str, value: Any) -> None:
+    path = _meta_file(kind, text)
+    if path is not None:
+        _cache._put(path, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), count=False)
+
+
+@contextlib.contextmanager
+def storing_elsewhere():
+    """JAX's compile inside this block is not written to the cache (torch_tpu stores the program itself)."""
+    if _cache is None:
+        yield
+        return
+    tls = _cache._tls
+    tls.elsewhere = getattr(tls, "elsewhere", 0) + 1
+    try:
+        yield
+    finally:
+        tls.elsewhere -= 1
+
+
+def load_executable(text: str) -> Any:
+    """The compiled program stored under `text` by store_executable in an earlier process, or None."""
+    path = _meta_file("graph", text)
+    if path is None:
+        return None
+    data = _cache._get(path, count=False)  # a miss is counted by the compile that follows (JAX's lookup)
+    if data is None:
+        return None
+    try:
+        from jax.experimental import serialize_executable
+
+        program = serialize_executable.deserialize_and_load(*pickle.loads(data))
+    except Exception as e:  # noqa: BLE001 - e.g. written by an incompatible runtime: recompile
+        _cache._discard(path, f"not loadable ({type(e).__name__}: {e})", count=False)
+        return None
+    with open(path, "rb") as f:
+        seconds = _HEADER.unpack(f.read(_HEADER.size))[3]
+    with _cache._lock:
+        _cache.counters.hits += 1
+        _cache.counters.saved += seconds
+    from torch_tpu import _metrics
+
+    _metrics.cache_hit()
+    return program
+
+
+def store_executable(text: str, compiled: Any) -> None:
+    path = _meta_file("graph", text)
+    if path is None:
+        return
+    from jax.experimental import serialize_executable
+
+    start = time.perf_counter()
+    try:
+        blob = pickle.dumps(serialize_executable.serialize(compiled), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # noqa: BLE001 - a program the runtime cannot serialize: keep it in memory only
+        warnings.warn(f"torch_tpu compile cache: could not serialize a fused program ({e}); it is not cached.",
+                      CompileCacheWarning, stacklevel=2)
+        return
+    del start
+    _cache._put(path, blob, count=True, compile_seconds=getattr(_cache._tls, "last_compile_seconds", 0.0))
+
 
 def install() -> DiskCache | None:
     """Makes JAX's persistent compilation cache store through a DiskCache (called when the runtime starts).
@@ -329,6 +443,7 @@ def _listen_compile_seconds(cache: DiskCache) -> None:
 
     def on_duration(event: str, duration: float, **kwargs: Any) -> None:
         if event == event_name:
+            cache._tls.last_compile_seconds = duration
             cache.note_compile_seconds(duration)
 
     jax.monitoring.register_event_duration_secs_listener(on_duration)

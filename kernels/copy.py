@@ -21,11 +21,11 @@ def _convert(shape: tuple[int, ...], dtype: Any) -> Any:
             v = jnp.real(v)  # torch discards the imaginary part (with a warning on CPU)
         return jnp.broadcast_to(v.astype(dtype), shape)
 
-    return _deferred.jitted(convert)
+    return _deferred.jitted(convert, key=(shape, dtype))
 
 
-_conj = _deferred.jitted(lambda v: jnp.conj(v))
-_neg = _deferred.jitted(lambda v: -v)
+_conj = _deferred.jitted(lambda v: jnp.conj(v), key="conj")
+_neg = _deferred.jitted(lambda v: -v, key="neg")
 
 
 def _read_resolved(src: torch.Tensor, dst: torch.Tensor) -> Any:

@@ -22,7 +22,7 @@ def _on(index: int) -> Any:
 
 @functools.lru_cache(maxsize=1024)
 def _full(shape: tuple[int, ...], dtype: Any, index: int) -> Any:
-    return _deferred.jitted(lambda value: jnp.full(shape, value, dtype), index)
+    return _deferred.jitted(lambda value: jnp.full(shape, value, dtype), index, key=(shape, dtype, index))
 
 
 def _fill_value(value: Any) -> Any:
@@ -144,7 +144,7 @@ def _sampler(fn: Any, shape: tuple[int, ...], dtype: Any, index: int) -> Any:
     def sample(seed: Any, offset: Any, *params: Any) -> Any:
         return fn(_key(seed, offset), shape, dtype, *params).astype(dtype)
 
-    return _deferred.jitted(sample, index)
+    return _deferred.jitted(sample, index, key=(fn.__qualname__, shape, dtype, index))
 
 
 def _philox(generator: torch.Generator | None, t: torch.Tensor) -> tuple[Any, Any]:

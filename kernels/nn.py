@@ -521,7 +521,8 @@ def _batch_norm_math(
 
 @functools.lru_cache(maxsize=256)
 def _batch_norm_fn(training: bool, momentum: float, eps: float) -> Any:
-    return _deferred.jitted(lambda x, w, b, rm, rv: _batch_norm_math(x, w, b, rm, rv, training, momentum, eps))
+    return _deferred.jitted(lambda x, w, b, rm, rv: _batch_norm_math(x, w, b, rm, rv, training, momentum, eps),
+                            key=(training, momentum, eps))
 
 
 def _read(t: torch.Tensor | None, index: int) -> Any:
@@ -1401,12 +1402,12 @@ def _dropout_fn(p: float) -> Any:
         scale = 0.0 if p == 1 else 1.0 / (1 - p)
         return (_opmath(x) * keep * scale).astype(x.dtype), keep
 
-    return _deferred.jitted(run)
+    return _deferred.jitted(run, key=p)
 
 
 @functools.lru_cache(maxsize=16)
 def _dropout_eval_fn() -> Any:
-    return _deferred.jitted(lambda x: (x, jnp.ones(x.shape, jnp.bool_)))
+    return _deferred.jitted(lambda x: (x, jnp.ones(x.shape, jnp.bool_)), key="eval")
 
 
 @direct("native_dropout", defer=True)

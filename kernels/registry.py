@@ -201,6 +201,8 @@ class OpKernel:
         # Values: jitted callables; keys: (args given, mask, None for the functional form or the in-place
         # target's dtype).
         self._fast: dict[tuple[int, int, torch.dtype | None], Callable[..., Any]] = {}
+        # The same for DEFER_AND_FUSE: (key, unjitted callable) recorded into the pending graph.
+        self._fast_rec: dict[tuple[int, int, torch.dtype | None], tuple[Any, Callable[..., Any]]] = {}
         self._fast_ok = [
             all(k in (TENSOR, SCALAR) for k in self.kinds[:n])
             and all(d is not inspect.Parameter.empty for d in self.defaults[n:])
@@ -338,44 +340,71 @@ class OpKernel:
     def functional(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             args, kwargs = self._positional(args, kwargs)
-        if not kwargs and not _deferred.mode:
+        if not kwargs:
             fast = _fast_args(args)
             if fast is not None:
-                fn = self._fast.get((len(args), fast[1], None))
-                if fn is not None:
-                    return _wrap(fn(*fast[2]), None, fast[0])
+                if not _deferred.mode:
+                    fn = self._fast.get((len(args), fast[1], None))
+                    if fn is not None:
+                        return _wrap(fn(*fast[2]), None, fast[0])
+                elif _deferred.fusing and _deferred.recording():
+                    entry = self._fast_rec.get((len(args), fast[1], None))
+                    if entry is not None:
+                        return _wrap(_deferred.record(fast[0], entry[0], entry[1], fast[2]), None, fast[0])
         vals = self.bind(args, kwargs)
         index, out = self.compute(vals)
         if _deferred.mode:
             if _deferred.mode == _deferred.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
                 _deferred.block_arrays(out)
+            elif not kwargs and self.lowering.jit and self._fast_ok[len(args)] and not isinstance(out, (tuple, list)) \
+                    and _deferred.recording():
+                fast = _fast_args(args)
+                if fast is not None:
+                    self._install_fast(len(args), fast[1], vals, recorded=True)
         elif not kwargs and self.lowering.jit and self._fast_ok[len(args)] and not isinstance(out, (tuple, list)):
             fast = _fast_args(args)
             if fast is not None:
                 self._install_fast(len(args), fast[1], vals)
         return wrap_arrays(out, index)
 
-    def _install_fast(self, n: int, mask: int, vals: list, inplace_dtype: torch.dtype | None = None) -> None:
-        """Caches a jitted callable for calls shaped like this one (see `functional` and `inplace`). An existing
-        entry is kept: replacing it would throw away its compiled executables (jit keys them on shapes)."""
+    def _install_fast(self, n: int, mask: int, vals: list, inplace_dtype: torch.dtype | None = None,
+                      recorded: bool = False) -> None:
+        """Caches a jitted callable for calls shaped like this one (see `functional` and `inplace`); with
+        `recorded`, the unjitted callable DEFER_AND_FUSE records instead. An existing entry is kept: replacing
+        it would throw away its compiled executables (jit keys them on shapes)."""
         key = (n, mask, inplace_dtype)
-        if key in self._fast:
+        table = self._fast_rec if recorded else self._fast
+        if key in table:
             return
         _, dyn, static, _ = self.prepare(vals)
         out_dtype = None if inplace_dtype is None else _runtime.jax_dtype(inplace_dtype)
         run = self._traced(static, out_dtype)
         tail = tuple(dyn[n:])
-        self._fast[key] = jax.jit(lambda *given: run(*given, *tail))
+
+        def given_args(*given: Any) -> Any:
+            return run(*given, *tail)
+
+        if recorded:
+            given_args._torch_tpu_op = f"aten::{self.name}"  # type: ignore[attr-defined]
+            self._fast_rec[key] = ((self.name, "fast", key), given_args)
+        else:
+            self._fast[key] = jax.jit(given_args)
 
     def inplace(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             args, kwargs = self._positional(args, kwargs)
-        if not kwargs and not _deferred.mode:
+        if not kwargs:
             fast = _fast_args(args)
             if fast is not None:
-                fn = self._fast.get((len(args), fast[1], args[0].dtype))
-                if fn is not None and _set_whole(args[0], fn(*fast[2])):
-                    return args[0]
+                if not _deferred.mode:
+                    fn = self._fast.get((len(args), fast[1], args[0].dtype))
+                    if fn is not None and _set_whole(args[0], fn(*fast[2])):
+                        return args[0]
+                elif _deferred.fusing and _deferred.recording():
+                    entry = self._fast_rec.get((len(args), fast[1], args[0].dtype))
+                    if entry is not None and _set_whole(args[0], _deferred.record(fast[0], entry[0], entry[1],
+                                                                                  fast[2])):
+                        return args[0]
         vals = self.bind(args, kwargs)
         target = vals[0]
         index, out = self.compute(vals)
@@ -385,6 +414,11 @@ class OpKernel:
         if _deferred.mode:
             if _deferred.mode == _deferred.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
                 _deferred.block_arrays(out)
+            elif not kwargs and self.lowering.jit and self._fast_ok[len(args)] and not isinstance(out, (tuple, list)) \
+                    and _deferred.recording():
+                fast = _fast_args(args)
+                if fast is not None:
+                    self._install_fast(len(args), fast[1], vals, target.dtype, recorded=True)
         elif not kwargs and self.lowering.jit and self._fast_ok[len(args)] and not isinstance(out, (tuple, list)):
             fast = _fast_args(args)
             if fast is not None:

@@ -3,6 +3,9 @@
 Every OpInfo that runs on CPU in float32 is a case; int64, bool and bfloat16 run too (fewer samples, no
 variants). Expected failures are listed in one place, tests/opinfo_expected.py, each with its reason; a listed
 op that starts passing fails the run until the list is updated (tools/gen_op_coverage.py rewrites it).
+
+The same cases run again under DEFER_AND_FUSE (ops recorded and run as fused graphs), with the same expected
+failures: deferred execution must not change any result, error, alias or out= behaviour.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ def _cases(dtype: torch.dtype) -> list:
     return params
 
 
-def _run(op, key: str, dtype: torch.dtype, cap: int, variants: bool) -> None:
+def _run(op, key: str, dtype: torch.dtype, cap: int, variants: bool, mode: str = "DEFER_NEVER") -> None:
     assert torch_tpu._C._fallback_mode() == 0, "the OpInfo suite must run with the strict missing-op policy"
     reason = EXPECTED_FAILURES.get(key)
     try:
-        check_op(op, dtype, cap=cap, variants=variants)
+        with torch.tpu.set_eager_mode(mode):
+            check_op(op, dtype, cap=cap, variants=variants)
     except Exception:  # noqa: BLE001 - a listed failure may fail in any way
         if reason is None:
             raise
@@ -46,3 +50,14 @@ def test_opinfo_float32(op, key) -> None:
 def test_opinfo_other_dtypes(op, key) -> None:
     dtype = {"int64": torch.int64, "bool": torch.bool, "bfloat16": torch.bfloat16}[key.rsplit(":", 1)[1]]
     _run(op, key, dtype, cap=2, variants=False)
+
+
+@pytest.mark.parametrize("op,key", _cases(torch.float32))
+def test_opinfo_float32_fused(op, key) -> None:
+    _run(op, key, torch.float32, cap=4, variants=True, mode="DEFER_AND_FUSE")
+
+
+@pytest.mark.parametrize("op,key", _cases(torch.int64) + _cases(torch.bool) + _cases(torch.bfloat16))
+def test_opinfo_other_dtypes_fused(op, key) -> None:
+    dtype = {"int64": torch.int64, "bool": torch.bool, "bfloat16": torch.bfloat16}[key.rsplit(":", 1)[1]]
+    _run(op, key, dtype, cap=2, variants=False, mode="DEFER_AND_FUSE")

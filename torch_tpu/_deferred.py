@@ -49,6 +49,7 @@ fusing = False
 _tls = threading.local()  # .suspended: > 0 while a kernel that needs concrete arrays runs
 _lock = threading.RLock()
 _ids = itertools.count(1)
+_LOCAL = "<process-local>"  # marks a structural key that is only meaningful in this process
 
 
 def recording() -> bool:
@@ -116,13 +117,11 @@ class Pending:
 
     __slots__ = ("graph", "node", "out", "shape", "dtype", "weak_type", "value", "error", "__weakref__")
 
-    def __init__(self, graph: "_Graph", node: int, out: int, aval: Any) -> None:
+    def __init__(self, graph: "_Graph", node: int, out: int, meta: tuple) -> None:
         self.graph = graph
         self.node = node
         self.out = out
-        self.shape = tuple(aval.shape)
-        self.dtype = aval.dtype
-        self.weak_type = bool(getattr(aval, "weak_type", False))
+        self.shape, self.dtype, self.weak_type = meta  # the output's (shape, dtype, weak_type)
         self.value = None
         self.error: BaseException | None = None
 
@@ -168,7 +167,8 @@ class _Graph:
     def __init__(self, index: int) -> None:
         self.index = index
         self.inputs: list[Any] = []  # concrete arguments: device arrays and Python scalars
-        self.input_pos: dict[int, int] = {}  # id(device array) -> position in inputs (arrays are deduplicated)
+        # id(device array) -> (spec, signature) of its position in inputs (arrays are deduplicated)
+        self.input_pos: dict[int, tuple] = {}
         self.nodes: list[tuple[Callable[..., Any], tuple, Any]] = []  # (fn, arg specs, output treedef)
         self.keys: list[int] = []  # structural id per node (see _nodes)
         self.pendings: list[weakref.ref] = []  # every placeholder handed out, in order
@@ -176,9 +176,10 @@ class _Graph:
 
 _graphs: dict[int, _Graph] = {}
 _avals: dict[tuple, tuple[list[Any], Any]] = {}  # (fn key, arg signature) -> (output avals, treedef)
-# (fn key, arg specs, arg signature) -> (node id, output avals, treedef): a graph's key is its node ids, so a
-# flush hashes a tuple of ints, not the nested structure of every op.
-_nodes: dict[tuple, tuple[int, list[Any], Any]] = {}
+# (fn key, arg specs, arg signature) -> (node id, outputs' (shape, dtype, weak_type), treedef or None for a
+# single array): a graph's key is its node ids, so a flush hashes a tuple of ints, not every op's structure.
+_nodes: dict[tuple, tuple[int, list[tuple], Any, str | None]] = {}
+_node_text: dict[int, str | None] = {}  # node id -> stable text of its key (None: process-local)
 _fused: dict[tuple, Callable[..., Any]] = {}  # graph key -> jitted program
 _SCALARS = (bool, int, float, complex)
 
@@ -201,11 +202,12 @@ def _graph(index: int) -> _Graph:
 
 
 def _input(g: _Graph, a: Any) -> tuple[tuple, Any]:
-    pos = g.input_pos.get(id(a))
-    if pos is None:
-        pos = g.input_pos[id(a)] = len(g.inputs)
+    found = g.input_pos.get(id(a))
+    if found is None:
+        found = g.input_pos[id(a)] = (("i", len(g.inputs)), (tuple(a.shape), a.dtype,
+                                                              bool(getattr(a, "weak_type", False))))
         g.inputs.append(a)
-    return ("i", pos), (tuple(a.shape), a.dtype, bool(getattr(a, "weak_type", False)))
+    return found
 
 
 def _arg(g: _Graph, a: Any) -> tuple[Any, Any]:
@@ -251,35 +253,79 @@ def record(index: int, fkey: Any, fn: Callable[..., Any], args: tuple | list) ->
         g = _graph(index)
         n_inputs = len(g.inputs)
         try:
-            parts = [_arg(g, a) for a in args]
-            specs = tuple(p[0] for p in parts)
-            sig = tuple(p[1] for p in parts)
+            specs_l = []
+            sig_l = []
+            for a in args:
+                t = type(a)
+                if t is Pending and a.value is None and a.graph is g:  # the common case: an earlier result
+                    specs_l.append(("n", a.node, a.out))
+                    sig_l.append((a.shape, a.dtype, a.weak_type))
+                else:
+                    sp, sg = _arg(g, a)
+                    specs_l.append(sp)
+                    sig_l.append(sg)
+            specs = tuple(specs_l)
+            sig = tuple(sig_l)
             nkey = (fkey, specs, sig)
             info = _nodes.get(nkey)
             if info is None:
-                akey = (fkey, sig)
-                shaped = _avals.get(akey)
-                if shaped is None:
-                    abstract = [_abstract(s, gs, g.inputs) for s, gs in zip(specs, sig)]
-                    out = jax.eval_shape(fn, *abstract)
-                    shaped = _avals[akey] = jax.tree_util.tree_flatten(out)
-                info = _nodes[nkey] = (len(_nodes), shaped[0], shaped[1])
+                info = _nodes[nkey] = _node_info(fkey, fn, specs, sig, g.inputs)
+                _node_text[info[0]] = info[3]
         except BaseException:
             _truncate_inputs(g, n_inputs)
             raise
-        node_id, leaves, treedef = info
+        node_id, metas, treedef, _ = info
         node = len(g.nodes)
         g.nodes.append((fn, specs, treedef))
         g.keys.append(node_id)
-        outs = []
-        for j, aval in enumerate(leaves):
-            p = Pending(g, node, j, aval)
-            g.pendings.append(weakref.ref(p))
-            outs.append(p)
-        result = jax.tree_util.tree_unflatten(treedef, outs)
-        if len(g.nodes) >= _MAX_OPS:
+        pendings = g.pendings
+        if treedef is None:
+            result = Pending(g, node, 0, metas[0])
+            pendings.append(weakref.ref(result))
+        else:
+            outs = []
+            for j, meta in enumerate(metas):
+                p = Pending(g, node, j, meta)
+                pendings.append(weakref.ref(p))
+                outs.append(p)
+            result = jax.tree_util.tree_unflatten(treedef, outs)
+        if node + 1 >= _MAX_OPS:
             flush(g, "size_limit")
         return result
+
+
+def _stable_text(key: Any) -> str | None:
+    """A text form of a structural key that means the same in every process, or None (it holds something
+    process-local: an object address or a Jitted without a key)."""
+    text = repr(key)
+    if " at 0x" in text or _LOCAL in text:
+        return None
+    return text
+
+
+def _node_info(fkey: Any, fn: Callable[..., Any], specs: tuple, sig: tuple, inputs: list[Any]) -> tuple:
+    """(node id, outputs' (shape, dtype, weak_type), treedef or None, stable text or None) of a call not seen
+    before in this process. Output shapes come from jax.eval_shape, cached by (function, argument shapes) in
+    memory and, when the key is stable, in the persistent cache (so warm starts trace nothing per op)."""
+    akey = (fkey, sig)
+    shaped = _avals.get(akey)
+    stable = _stable_text((fkey, specs, sig))
+    if shaped is None:
+        from torch_tpu import compile_cache
+
+        atext = _stable_text(akey) if stable is not None else None
+        shaped = compile_cache.get_meta("shape", atext) if atext is not None else None
+        if shaped is None:
+            abstract = [_abstract(s, gs, inputs) for s, gs in zip(specs, sig)]
+            shaped = jax.tree_util.tree_flatten(jax.eval_shape(fn, *abstract))
+            shaped = ([(tuple(a.shape), a.dtype, bool(getattr(a, "weak_type", False))) for a in shaped[0]],
+                      shaped[1])
+            if atext is not None:
+                compile_cache.put_meta("shape", atext, shaped)
+        _avals[akey] = shaped
+    metas, treedef = shaped
+    single = treedef.num_leaves == 1 and treedef == jax.tree_util.tree_structure(0)
+    return len(_nodes), metas, None if single else treedef, stable
 
 
 def _truncate_inputs(g: _Graph, n: int) -> None:
@@ -329,14 +375,7 @@ def flush(g: _Graph | None, reason: str) -> None:
         fn = _fused.get(key)
         try:
             if fn is None:
-                from torch_tpu import _runtime
-
-                replay = _replay(list(g.nodes), outs)
-                replay.__name__ = f"torch_tpu_fused_{len(g.nodes)}_ops"
-                fn = jax.jit(replay, out_shardings=jax.sharding.SingleDeviceSharding(_runtime.device(g.index)),
-                             donate_argnums=donate)
-                _metrics.fused_compile()
-                _fused[key] = fn
+                fn = _fused[key] = _fused_program(g, outs, donate)
             results = fn(*g.inputs)
         except BaseException as e:
             for p in alive:
@@ -360,7 +399,9 @@ def _donatable(inputs: list[Any], alive: list[Pending]) -> tuple[int, ...]:
     graph references any more (an in-place op swapped their storage to a placeholder, as after `p.add_(g)`),
     each matched to an output of the same shape and dtype (XLA cannot reuse the others)."""
     if not _ARRAY_TYPE:
-        _ARRAY_TYPE.append(type(jax.numpy.zeros(())))
+        from jax._src.array import ArrayImpl
+
+        _ARRAY_TYPE.append(ArrayImpl)
     array_type = _ARRAY_TYPE[0]
     wanted: dict[tuple, int] = {}
     for p in alive:
@@ -379,6 +420,34 @@ def _donatable(inputs: list[Any], alive: list[Pending]) -> tuple[int, ...]:
                 wanted[k] -= 1
                 donate.append(i)
     return tuple(donate)
+
+
+def _fused_program(g: _Graph, outs: tuple, donate: tuple[int, ...]) -> Callable[..., Any]:
+    """The compiled program of graph `g`: loaded from the persistent cache when every op's key is stable and an
+    earlier process compiled the same graph (no tracing, lowering or compiling), else traced and compiled
+    (and then stored)."""
+    from torch_tpu import _runtime, compile_cache
+
+    texts = [_node_text.get(k) for k in g.keys]
+    text = None
+    if all(t is not None for t in texts):
+        specs = [(type(a).__name__, tuple(getattr(a, "shape", ())), str(getattr(a, "dtype", "")))
+                 for a in g.inputs]
+        text = repr((texts, outs, donate, specs, _runtime.device(g.index).device_kind, g.index))
+        loaded = compile_cache.load_executable(text)
+        if loaded is not None:
+            return loaded
+    replay = _replay(list(g.nodes), outs)
+    replay.__name__ = f"torch_tpu_fused_{len(g.nodes)}_ops"
+    jitted = jax.jit(replay, out_shardings=jax.sharding.SingleDeviceSharding(_runtime.device(g.index)),
+                     donate_argnums=donate)
+    _metrics.fused_compile()
+    if text is None:
+        return jitted
+    with compile_cache.storing_elsewhere():  # stored below as a whole program: JAX's copy would be a duplicate
+        compiled = jitted.lower(*g.inputs).compile()
+    compile_cache.store_executable(text, compiled)
+    return compiled
 
 
 def _op_name(fn: Any) -> str:
@@ -413,12 +482,16 @@ class Jitted:
 
     __slots__ = ("fn", "_jitted", "_jit_kwargs", "key", "index", "__weakref__")
 
-    def __init__(self, fn: Callable[..., Any], index: int | None = None, **jit_kwargs: Any) -> None:
+    def __init__(self, fn: Callable[..., Any], index: int | None = None, key: Any = None,
+                 **jit_kwargs: Any) -> None:
         self.fn = fn
         self.index = index
         self._jitted = None  # made on the first eager call (creating it here would import JAX at import time)
         self._jit_kwargs = jit_kwargs
-        self.key = (getattr(fn, "__qualname__", "jitted"), next(_ids))
+        # With `key` (what makes this function what it is, e.g. its factory's arguments) the structural key is
+        # the same in every process, so graphs using it can be cached on disk; without, it is process-local.
+        name = getattr(fn, "__qualname__", "jitted")
+        self.key = (name, key) if key is not None else (name, _LOCAL, next(_ids))
 
     def __call__(self, *args: Any) -> Any:
         if fusing and not getattr(_tls, "suspended", 0):
@@ -452,8 +525,8 @@ class Jitted:
         return _C._current_device()
 
 
-def jitted(fn: Callable[..., Any], index: int | None = None, **jit_kwargs: Any) -> Jitted:
-    return Jitted(fn, index, **jit_kwargs)
+def jitted(fn: Callable[..., Any], index: int | None = None, key: Any = None, **jit_kwargs: Any) -> Jitted:
+    return Jitted(fn, index, key, **jit_kwargs)
 
 
 # ---- kernels that need concrete arrays ----

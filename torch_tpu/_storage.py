@@ -102,7 +102,7 @@ def _reader(base_shape: tuple[int, ...], base_dtype: Any, dtype: Any, geom: Geom
     def read(base: Any) -> Any:
         return _read_flat(_flat_as(base, dtype), sizes, strides, offset)
 
-    return _deferred.jitted(read)
+    return _deferred.jitted(read, key=(base_shape, base_dtype, dtype, geom))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -122,13 +122,13 @@ def _writer(base_shape: tuple[int, ...], base_dtype: Any, dtype: Any, geom: Geom
             flat = _from_bytes(_to_bytes(flat), base_dtype)
         return flat.reshape(base_shape)
 
-    return _deferred.jitted(write)
+    return _deferred.jitted(write, key=(base_shape, base_dtype, dtype, geom))
 
 
 @functools.lru_cache(maxsize=4096)
 def _caster(shape: tuple[int, ...], dtype: Any) -> Any:
     """Cast to `dtype` and reshape to `shape` (a value written over a whole storage)."""
-    return _deferred.jitted(lambda v: v.astype(dtype).reshape(shape))
+    return _deferred.jitted(lambda v: v.astype(dtype).reshape(shape), key=(shape, dtype))
 
 
 def _geometry(t: torch.Tensor) -> Geometry:
