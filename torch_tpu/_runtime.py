@@ -57,7 +57,7 @@ def _pick_devices() -> tuple[str, list[Any]]:
                 "when one is present and XLA:CPU otherwise."
             )
         try:
-            devs = jax.devices(forced)
+            devs = jax.local_devices(backend=forced)
         except RuntimeError as e:
             hint = {
                 "tpu": "install libtpu (pip install 'torch_tpu[tpu]') on a TPU VM",
@@ -66,12 +66,13 @@ def _pick_devices() -> tuple[str, list[Any]]:
             }[forced]
             raise RuntimeError(f"TORCH_TPU_PLATFORM={forced} but JAX found no {forced} devices ({e}). {hint}") from e
         return forced, devs
+    # This process's devices: with jax.distributed (torch_tpu.distributed) jax.devices() spans all processes.
     if os.environ.get("TORCH_TPU_NUM_DEVICES"):
-        return "cpu", jax.devices("cpu")
+        return "cpu", jax.local_devices(backend="cpu")
     try:
-        return "tpu", jax.devices("tpu")
+        return "tpu", jax.local_devices(backend="tpu")
     except RuntimeError:
-        return "cpu", jax.devices("cpu")
+        return "cpu", jax.local_devices(backend="cpu")
 
 
 def start() -> int:

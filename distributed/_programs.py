@@ -1,0 +1,148 @@
+"""The XLA programs behind tpu_dist's collectives: one `shard_map` over a one-axis mesh ("r", one device per
+rank of the group) per collective, jit-compiled and cached by (collective, ranks, static arguments); jit keys
+the compiled executables on shapes and dtypes. On TPU they run over ICI/DCN, on XLA:CPU over gloo.
+
+Each program takes, per tensor, a global array whose shard on each rank is that rank's tensor with a leading
+axis of 1, and returns arrays of the same layout.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from torch_tpu._jax import jax, jnp, lax
+
+AXIS = "r"
+REDUCE_OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor")
+
+
+def _reduce_gathered(g: Any, op: str) -> Any:
+    """Reduces an all-gathered stack (axis 0 = ranks) with one of the non-sum ops."""
+    if op == "product":
+        return jnp.prod(g, axis=0).astype(g.dtype)
+    fn = {"band": jnp.bitwise_and, "bor": jnp.bitwise_or, "bxor": jnp.bitwise_xor}[op]
+    return functools.reduce(fn, [g[i] for i in range(g.shape[0])])
+
+
+def _allreduce_value(v: Any, op: str, n: int) -> Any:
+    dtype = v.dtype
+    if dtype == jnp.bool_:  # as NCCL: sum/max/bor are a logical or, product/min/band a logical and
+        v = v.astype(jnp.int32)
+        op = {"sum": "max", "avg": "max", "bor": "max", "product": "min", "band": "min"}.get(op, op)
+    if op in ("sum", "avg"):
+        out = lax.psum(v, AXIS)
+        if op == "avg":
+            out = out / n
+    elif op == "min":
+        out = lax.pmin(v, AXIS)
+    elif op == "max":
+        out = lax.pmax(v, AXIS)
+    else:
+        out = _reduce_gathered(lax.all_gather(v, AXIS), op)
+    return out.astype(dtype)
+
+
+def _mask_from_root(v: Any, root: int) -> Any:
+    """v on the root rank, zeros elsewhere (bools as int8), for a psum that carries the root's value."""
+    if v.dtype == jnp.bool_:
+        v = v.astype(jnp.int8)
+    return jnp.where(lax.axis_index(AXIS) == root, v, jnp.zeros_like(v))
+
+
+# ---- bodies: each sees one shard per input (leading axis 1) and returns shards of the same layout ----
+
+def allreduce(op: str, n: int) -> Callable[..., Any]:
+    def body(*xs: Any) -> tuple:
+        return tuple(_allreduce_value(x[0], op, n)[None] for x in xs)
+    return body
+
+
+def broadcast(root: int) -> Callable[..., Any]:
+    def body(*xs: Any) -> tuple:
+        return tuple(lax.psum(_mask_from_root(x[0], root), AXIS).astype(x.dtype)[None] for x in xs)
+    return body
+
+
+def allgather() -> Callable[..., Any]:
+    def body(x: Any) -> Any:
+        return lax.all_gather(x[0], AXIS)[None]  # (1, n, *shape)
+    return body
+
+
+def reduce_scatter(op: str, n: int) -> Callable[..., Any]:
+    """Input shard (1, n, *chunk): rank i gets the reduction over ranks of chunk i."""
+    def body(x: Any) -> Any:
+        v = x[0]
+        if op in ("sum", "avg") and v.dtype != jnp.bool_:
+            out = lax.psum_scatter(v, AXIS, scatter_dimension=0, tiled=False)
+            if op == "avg":
+                out = (out / n).astype(v.dtype)
+        else:
+            out = lax.dynamic_index_in_dim(_allreduce_value(v, op, n), lax.axis_index(AXIS), 0, keepdims=False)
+        return out[None]
+    return body
+
+
+def all_to_all() -> Callable[..., Any]:
+    """Input shard (1, n, M, *rest): chunk j goes to rank j; output row j is what rank j sent here."""
+    def body(x: Any) -> Any:
+        return lax.all_to_all(x[0], AXIS, 0, 0)[None]
+    return body
+
+
+def scatter(root: int) -> Callable[..., Any]:
+    """Input shard (1, n, *shape), meaningful on the root only: rank i gets the root's row i."""
+    def body(x: Any) -> Any:
+        out = lax.psum_scatter(_mask_from_root(x[0], root), AXIS, scatter_dimension=0, tiled=False)
+        return out.astype(x.dtype)[None]
+    return body
+
+
+def send_recv() -> Callable[..., Any]:
+    """A two-device mesh (sender, receiver): the receiver gets the sender's shard."""
+    def body(x: Any) -> Any:
+        return lax.ppermute(x, AXIS, [(0, 1)])
+    return body
+
+
+# ---- compiled programs, cached ----
+
+_cache: dict[tuple, Any] = {}
+
+
+def program(kind: str, ranks: tuple[int, ...], static: tuple, n_in: int, build: Callable[[], Callable]) -> Any:
+    key = (kind, ranks, static, n_in)
+    fn = _cache.get(key)
+    if fn is None:
+        from jax.sharding import PartitionSpec as P
+
+        from torch_tpu.distributed import _world
+
+        specs = tuple(P(AXIS) for _ in range(n_in))
+        body = build()
+        fn = jax.jit(jax.shard_map(body, mesh=_world.mesh(ranks), in_specs=specs,
+                                   out_specs=specs if n_in > 1 or kind in ("allreduce", "broadcast") else P(AXIS)))
+        _cache[key] = fn
+    return fn
+
+
+def clear() -> None:
+    _cache.clear()
+
+
+def run(kind: str, ranks: tuple[int, ...], static: tuple, arrays: list, build: Callable[[], Callable]) -> list:
+    """Runs a collective over the devices of `ranks`; `arrays` are this rank's local values. Returns this
+    rank's local results (leading axis 1 removed)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from torch_tpu.distributed import _world
+
+    n = len(ranks)
+    sharding = NamedSharding(_world.mesh(ranks), P(AXIS))
+    glob = [jax.make_array_from_single_device_arrays((n,) + tuple(a.shape), sharding, [a.reshape((1,) + a.shape)])
+            for a in arrays]
+    out = program(kind, ranks, static, len(arrays), build)(*glob)
+    if not isinstance(out, (tuple, list)):
+        out = (out,)
+    return [o.addressable_shards[0].data.reshape(o.shape[1:]) for o in out]
