@@ -56,7 +56,15 @@ def _exit_if_broken() -> None:
         os._exit(1)
 
 
-atexit.register(_exit_if_broken)
+_exit_hook = False
+
+
+def _register_exit_hook() -> None:
+    """Registered after jax.distributed.initialize, so it runs before JAX's own shutdown hook (LIFO)."""
+    global _exit_hook
+    if not _exit_hook:
+        atexit.register(_exit_if_broken)
+        _exit_hook = True
 
 
 def _reduce_name(op: Any, what: str) -> str:
@@ -668,6 +676,7 @@ def create(opts: Any, pg_options: Any = None) -> ProcessGroupTPU:
     ranks = list(opts.global_ranks_in_group or [])
     if not dist.is_initialized():  # the default group: rank and size are the world's
         _world.init_world(store, rank, size, timeout)
+        _register_exit_hook()
         ranks = list(range(size))
     elif not ranks:
         ranks = list(range(size))
