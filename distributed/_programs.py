@@ -2,8 +2,9 @@
 rank of the group) per collective, jit-compiled and cached by (collective, ranks, static arguments); jit keys
 the compiled executables on shapes and dtypes. On TPU they run over ICI/DCN, on XLA:CPU over gloo.
 
-Each program takes, per tensor, a global array whose shard on each rank is that rank's tensor with a leading
-axis of 1, and returns arrays of the same layout.
+Each program takes, per tensor, a global array whose shard on rank i is rank i's local array (the global array
+is their concatenation along axis 0: no copy to build it), and returns arrays of the same layout, so each
+rank's result is its shard, again without a copy.
 """
 
 from __future__ import annotations
@@ -50,52 +51,60 @@ def _mask_from_root(v: Any, root: int) -> Any:
     return jnp.where(lax.axis_index(AXIS) == root, v, jnp.zeros_like(v))
 
 
-# ---- bodies: each sees one shard per input (leading axis 1) and returns shards of the same layout ----
+# ---- bodies: each sees this rank's local arrays and returns this rank's local results ----
 
 def allreduce(op: str, n: int) -> Callable[..., Any]:
     def body(*xs: Any) -> tuple:
-        return tuple(_allreduce_value(x[0], op, n)[None] for x in xs)
+        return tuple(_allreduce_value(x, op, n) for x in xs)
     return body
 
 
 def broadcast(root: int) -> Callable[..., Any]:
     def body(*xs: Any) -> tuple:
-        return tuple(lax.psum(_mask_from_root(x[0], root), AXIS).astype(x.dtype)[None] for x in xs)
+        return tuple(lax.psum(_mask_from_root(x, root), AXIS).astype(x.dtype) for x in xs)
     return body
 
 
-def allgather() -> Callable[..., Any]:
+def allgather(tiled: bool = False) -> Callable[..., Any]:
     def body(x: Any) -> Any:
-        return lax.all_gather(x[0], AXIS)[None]  # (1, n, *shape)
+        return lax.all_gather(x, AXIS, tiled=tiled)  # (n, *shape), or (n * shape[0], *shape[1:]) tiled
     return body
 
 
-def reduce_scatter(op: str, n: int) -> Callable[..., Any]:
-    """Input shard (1, n, *chunk): rank i gets the reduction over ranks of chunk i."""
-    def body(x: Any) -> Any:
-        v = x[0]
+def _with_axis0(v: Any) -> Any:
+    return v.reshape(1) if v.ndim == 0 else v
+
+
+def reduce_scatter(op: str, n: int, tiled: bool) -> Callable[..., Any]:
+    """Local input (n, *chunk), or (n * k, *rest) when tiled: rank i gets the reduction over ranks of chunk i."""
+    def body(v: Any) -> Any:
         if op in ("sum", "avg") and v.dtype != jnp.bool_:
-            out = lax.psum_scatter(v, AXIS, scatter_dimension=0, tiled=False)
+            out = lax.psum_scatter(v, AXIS, scatter_dimension=0, tiled=tiled)
             if op == "avg":
                 out = (out / n).astype(v.dtype)
         else:
-            out = lax.dynamic_index_in_dim(_allreduce_value(v, op, n), lax.axis_index(AXIS), 0, keepdims=False)
-        return out[None]
+            full = _allreduce_value(v, op, n)
+            if tiled:
+                k = v.shape[0] // n
+                out = lax.dynamic_slice_in_dim(full, lax.axis_index(AXIS) * k, k, 0)
+            else:
+                out = lax.dynamic_index_in_dim(full, lax.axis_index(AXIS), 0, keepdims=False)
+        return _with_axis0(out)
     return body
 
 
 def all_to_all() -> Callable[..., Any]:
-    """Input shard (1, n, M, *rest): chunk j goes to rank j; output row j is what rank j sent here."""
+    """Local input (n, M, *rest): chunk j goes to rank j; output row j is what rank j sent here."""
     def body(x: Any) -> Any:
-        return lax.all_to_all(x[0], AXIS, 0, 0)[None]
+        return lax.all_to_all(x, AXIS, 0, 0)
     return body
 
 
 def scatter(root: int) -> Callable[..., Any]:
-    """Input shard (1, n, *shape), meaningful on the root only: rank i gets the root's row i."""
+    """Local input (n, *shape), meaningful on the root only: rank i gets the root's row i."""
     def body(x: Any) -> Any:
-        out = lax.psum_scatter(_mask_from_root(x[0], root), AXIS, scatter_dimension=0, tiled=False)
-        return out.astype(x.dtype)[None]
+        out = lax.psum_scatter(_mask_from_root(x, root), AXIS, scatter_dimension=0, tiled=False)
+        return _with_axis0(out.astype(x.dtype))
     return body
 
 
@@ -133,16 +142,25 @@ def clear() -> None:
 
 def run(kind: str, ranks: tuple[int, ...], static: tuple, arrays: list, build: Callable[[], Callable]) -> list:
     """Runs a collective over the devices of `ranks`; `arrays` are this rank's local values. Returns this
-    rank's local results (leading axis 1 removed)."""
+    rank's local results. Scalars travel as shape (1,) (a shard needs an axis 0)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from torch_tpu.distributed import _world
 
     n = len(ranks)
     sharding = NamedSharding(_world.mesh(ranks), P(AXIS))
-    glob = [jax.make_array_from_single_device_arrays((n,) + tuple(a.shape), sharding, [a.reshape((1,) + a.shape)])
+    scalars = [a.ndim == 0 for a in arrays]
+    arrays = [a.reshape(1) if s else a for a, s in zip(arrays, scalars)]
+    glob = [jax.make_array_from_single_device_arrays((n * a.shape[0],) + tuple(a.shape[1:]), sharding, [a])
             for a in arrays]
     out = program(kind, ranks, static, len(arrays), build)(*glob)
     if not isinstance(out, (tuple, list)):
         out = (out,)
-    return [o.addressable_shards[0].data.reshape(o.shape[1:]) for o in out]
+    local = [o.addressable_shards[0].data for o in out]
+    # Wait here, on the group's worker thread: a collective that never completes (a dead or hung peer) then
+    # shows up as a Work that does not finish within the timeout, never as a later host read that hangs.
+    for v in local:
+        v.block_until_ready()
+    if kind in ("allreduce", "broadcast"):
+        local = [v.reshape(()) if s else v for v, s in zip(local, scalars)]
+    return local

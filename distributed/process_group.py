@@ -275,7 +275,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         if not (self._checks or need):
             return None
         local = _runtime.upload(torch.from_numpy(desc), self._device_index())
-        (gathered,) = _programs.run("allgather", self.ranks, (), [local], _programs.allgather)
+        (gathered,) = _programs.run("allgather", self.ranks, (False,), [local], _programs.allgather)
         table = np.asarray(gathered)
         mine = table[self.rank()]
         bad = [r for r in range(self.size()) if (table[r][[0, 1, 2, 4]] != mine[[0, 1, 2, 4]]).any()]
@@ -302,7 +302,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             torch.tpu.set_device(index)
             try:
                 return fn()
-            except RuntimeError as e:
+            except Exception as e:  # XLA reports transport failures as RuntimeError or ValueError
                 raise self._wrap_error(what, e) from e
 
         self._worker.jobs.put((run, work))
@@ -393,13 +393,13 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
     # -- all_gather --
     def _gather_stack(self, what: str, root: int, t_in: torch.Tensor,
-                      write: Callable[[Any], None], outputs: list[torch.Tensor]) -> TpuWork:
+                      write: Callable[[Any], None], outputs: list[torch.Tensor], tiled: bool = False) -> TpuWork:
         (array,) = self._read(what, [t_in])
         desc = self._descriptor(what, root, [t_in])
 
         def fn() -> list[torch.Tensor]:
             self._exchange(what, desc)
-            (stacked,) = _programs.run("allgather", self.ranks, (), [array], _programs.allgather)
+            (stacked,) = _programs.run("allgather", self.ranks, (tiled,), [array], lambda: _programs.allgather(tiled))
             write(stacked)
             return outputs
 
@@ -438,10 +438,13 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 f"elements of the same dtype, got {_describe(output)}."
             )
 
-        def write(stacked: Any) -> None:
-            self._write(output, stacked.reshape(tuple(output.shape)))
+        # Gathered along dimension 0 (no reshape copy) when the output is the inputs stacked along dimension 0.
+        tiled = input.dim() > 0 and tuple(output.shape) == (n * input.shape[0],) + tuple(input.shape[1:])
 
-        return self._gather_stack(what, 0, input, write, [output])
+        def write(stacked: Any) -> None:
+            self._write(output, stacked if tiled else stacked.reshape(tuple(output.shape)))
+
+        return self._gather_stack(what, 0, input, write, [output], tiled)
 
     _allgather_base = all_gather_single
 
@@ -474,15 +477,15 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
     # -- reduce_scatter --
     def _reduce_scatter(self, what: str, stacked_in: Any, in_desc: list[torch.Tensor], out: torch.Tensor,
-                        op: str) -> TpuWork:
+                        op: str, tiled: bool = False) -> TpuWork:
         desc = self._descriptor(what, 0, in_desc)
         n = self.size()
 
         def fn() -> list[torch.Tensor]:
             self._exchange(what, desc)
-            (v,) = _programs.run("reduce_scatter", self.ranks, (op, n), [stacked_in],
-                                 lambda: _programs.reduce_scatter(op, n))
-            self._write(out, v.reshape(tuple(out.shape)))
+            (v,) = _programs.run("reduce_scatter", self.ranks, (op, n, tiled), [stacked_in],
+                                 lambda: _programs.reduce_scatter(op, n, tiled))
+            self._write(out, v if tuple(v.shape) == tuple(out.shape) else v.reshape(tuple(out.shape)))
             return [out]
 
         return self._submit(f"{what}({op}, {_describe(in_desc[0])})", fn)
@@ -508,6 +511,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 f"elements of the same dtype, got {_describe(input)}."
             )
         (array,) = self._read(what, [input])
+        if output.dim() > 0 and tuple(input.shape) == (n * output.shape[0],) + tuple(output.shape[1:]):
+            return self._reduce_scatter(what, array, [input], output, op, tiled=True)  # no reshape copy
         return self._reduce_scatter(what, array.reshape((n,) + tuple(output.shape)), [input], output, op)
 
     _reduce_scatter_base = reduce_scatter_single
@@ -633,7 +638,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         def fn() -> list[torch.Tensor]:
             if self._checks:
                 local = _runtime.upload(torch.from_numpy(desc), self._device_index())
-                (g,) = _programs.run("allgather", pair, (), [local], _programs.allgather)
+                (g,) = _programs.run("allgather", pair, (False,), [local], _programs.allgather)
                 table = np.asarray(g)
                 if (table[0][[2, 4]] != table[1][[2, 4]]).any():
                     raise RuntimeError(
