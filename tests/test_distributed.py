@@ -194,6 +194,12 @@ def _check_functional_and_dtensor(rank: int, n: int, dev) -> None:
     torch.testing.assert_close(y.full_tensor().cpu(), (full @ w).relu() + 1, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dx.redistribute(mesh, [Replicate()]).to_local().cpu(), full)
     torch.testing.assert_close(dx.sum().full_tensor().cpu(), full.sum(), rtol=1e-5, atol=1e-4)
+    if n % 2 == 0 and n > 2:  # a 2-D mesh: its dimensions are subgroups
+        mesh2 = init_device_mesh("tpu", (2, n // 2), mesh_dim_names=("dp", "tp"))
+        d2 = distribute_tensor(full.to(dev), mesh2, [Shard(0), Shard(1)])
+        assert tuple(d2.to_local().shape) == (2 * n, 6 // (n // 2)), d2.to_local().shape
+        torch.testing.assert_close(d2.full_tensor().cpu(), full)
+        torch.testing.assert_close((d2 * 2).sum().full_tensor().cpu(), full.sum() * 2, rtol=1e-5, atol=1e-4)
 
 
 def _check_errors(rank: int, n: int, dev) -> None:
@@ -262,7 +268,7 @@ def _scenario_ddp() -> None:
     steps = 4
     ref, batches, loss_fn = mlp.build(0)
     model, _, _ = mlp.build(0)
-    ddp = DDP(model.to(dev), device_ids=None)
+    ddp = DDP(model.to(dev), device_ids=[dev.index])
     opt, ref_opt = mlp.optimizer(ddp), mlp.optimizer(ref)
     half = 64 // n
     for step in range(steps):
