@@ -309,8 +309,9 @@ def _scenario_kill() -> None:
 
     rank, n, dev = _init(timeout_s=float(os.environ.get("TEST_PG_TIMEOUT", "20")))
     t = torch.ones(1024, device=dev)
+    victim = int(os.environ.get("TEST_VICTIM", n - 1))
     for step in range(1000):
-        if rank == n - 1 and step == 3:
+        if rank == victim and step == 3:
             if os.environ.get("TEST_FAULT") == "hang":
                 time.sleep(600)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -383,15 +384,19 @@ if __name__ != "__main__":
     def test_ddp_mlp_matches_single_process(tmp_path: Path) -> None:
         _expect_ok(_launch(2, "ddp", 180, tmp_path), "ddp ok")
 
-    @pytest.mark.parametrize("fault", ["kill", "hang"])
+    @pytest.mark.parametrize("fault", ["kill", "kill rank 0", "hang"])
     def test_dead_or_hung_rank_fails_survivors(fault: str, tmp_path: Path) -> None:
+        """A killed rank (also rank 0, which hosts the c10d store and JAX's coordinator) or a hung one."""
         pg_timeout = 15
         n = 3 if fault == "kill" else 2
+        victim = 0 if fault == "kill rank 0" else n - 1
+        fault = fault.split()[0]
         t0 = time.monotonic()
         # The hang runs without the per-collective descriptor exchange: the timeout must not depend on its host sync.
         env = {"TEST_FAULT": fault, "TEST_PG_TIMEOUT": str(pg_timeout), "TORCH_TPU_DIST_CHECKS": "0" if fault == "hang" else "1"}
+        env["TEST_VICTIM"] = str(victim)
         results = _launch(n, "kill", 120, tmp_path, env)
-        for rc, out in results[:-1]:
+        for rc, out in [res for r, res in enumerate(results) if r != victim]:
             assert rc not in (0, None), _report(results)  # failed, not hung and not finished
             assert "tpu_dist: all_reduce" in out, _report(results)
             want = "has most likely died" if fault == "kill" else "did not finish within the timeout"
