@@ -363,6 +363,25 @@ def _launch(n: int, scenario: str, timeout: float, tmp_path: Path, env: dict[str
     return results
 
 
+def _torchrun(n: int, scenario: str, timeout: float, tmp_path: Path) -> list[tuple[int | None, str]]:
+    """Starts n ranks with torchrun itself (its agent hosts the store); one combined log for all ranks."""
+    e = dict(os.environ, TEST_STORE=str(tmp_path / "filestore"), PYTHONUNBUFFERED="1")
+    for k in ("TORCH_TPU_NUM_DEVICES", "TORCH_TPU_PLATFORM", "TORCH_TPU_CPU_FALLBACK"):
+        e.pop(k, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", f"--master-port={_free_port()}",
+           str(HERE), scenario]
+    with open(tmp_path / "torchrun.log", "w") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=e, cwd="/", start_new_session=True)
+        try:
+            rc = p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            rc = None
+    out = (tmp_path / "torchrun.log").read_text()
+    return [(rc, out)] * n
+
+
 def _report(results: list[tuple[int | None, str]]) -> str:
     return "\n".join(f"--- rank {r} exit {rc} ---\n{out[-3000:]}" for r, (rc, out) in enumerate(results))
 
@@ -377,9 +396,10 @@ if __name__ != "__main__":
 
     from conftest import run_python
 
-    @pytest.mark.parametrize("n", [2, 4])
-    def test_collectives(n: int, tmp_path: Path) -> None:
-        _expect_ok(_launch(n, "collectives", 240, tmp_path), "collectives ok")
+    @pytest.mark.parametrize("n, launcher", [(2, "torchrun"), (4, "env")])
+    def test_collectives(n: int, launcher: str, tmp_path: Path) -> None:
+        launch = _torchrun if launcher == "torchrun" else _launch
+        _expect_ok(launch(n, "collectives", 240, tmp_path), "collectives ok")
 
     def test_ddp_mlp_matches_single_process(tmp_path: Path) -> None:
         _expect_ok(_launch(2, "ddp", 180, tmp_path), "ddp ok")
