@@ -38,9 +38,12 @@ _REDUCE_NAMES = {
     dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max", dist.ReduceOp.BAND: "band", dist.ReduceOp.BOR: "bor",
     dist.ReduceOp.BXOR: "bxor",
 }
-_OP_CODES: dict[str, int] = {}
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+_COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+                "gather", "reduce_scatter", "reduce_scatter_tensor", "scatter", "all_to_all_single", "send_recv",
+                "barrier")
+_NAMES = {zlib.crc32(name.encode()): name for name in _COLLECTIVES}
 _MAX_DIMS = 8
 _DESC_LEN = 6 + _MAX_DIMS
 
@@ -262,7 +265,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
     def _descriptor(self, what: str, root: int, tensors: Sequence[torch.Tensor], extra: int = 0,
                     shape_of: Callable[[torch.Tensor], tuple] = lambda t: tuple(t.shape)) -> np.ndarray:
-        code = _OP_CODES.setdefault(what.split("(")[0], len(_OP_CODES) + 1)
+        code = zlib.crc32(what.split("(")[0].encode())  # the same on every rank, whatever ran before
         sig = ";".join(f"{t.dtype}{shape_of(t)}" for t in tensors)
         first = tensors[0] if tensors else None
         shape = tuple(shape_of(first)) if first is not None else ()
@@ -282,7 +285,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
         if bad:
             def fmt(row: np.ndarray) -> str:
                 dt = _DTYPES[row[4]] if 0 <= row[4] < len(_DTYPES) else "?"
-                return f"{str(dt).replace('torch.', '')}{[int(d) for d in row[6:6 + int(row[5])]]} root {int(row[1])}"
+                shape = [int(d) for d in row[6:6 + int(row[5])]]
+                return (f"{_NAMES.get(int(row[0]), '?')} {str(dt).replace('torch.', '')}{shape} "
+                        f"root {int(row[1])}")
 
             lines = "; ".join(f"rank {r}: {fmt(table[r])}" for r in range(self.size()))
             raise RuntimeError(
@@ -665,11 +670,12 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
     # -- barrier --
     def barrier(self, opts: Any = None) -> TpuWork:
+        """The descriptor exchange itself (a small all_gather, waited for): it also catches a rank that called
+        another collective instead of barrier."""
+        desc = self._descriptor("barrier", 0, [])
+
         def fn() -> list[torch.Tensor]:
-            one = self._zeros((), torch.int32)
-            (v,) = _programs.run("allreduce", self.ranks, ("sum", self.size()), [one],
-                                 lambda: _programs.allreduce("sum", self.size()))
-            v.block_until_ready()
+            self._exchange("barrier", desc, need=True)
             return []
 
         return self._submit("barrier", fn)

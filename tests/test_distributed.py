@@ -174,7 +174,8 @@ def _check_functional_and_dtensor(rank: int, n: int, dev) -> None:
     world = dist.group.WORLD
     x = torch.arange(4.0, device=dev) + rank
     torch.testing.assert_close(fc.all_reduce(x, "sum", world).cpu(), sum(torch.arange(4.0) + r for r in range(n)))
-    torch.testing.assert_close(fc.all_gather_tensor(x, 0, world).cpu(), torch.cat([torch.arange(4.0) + r for r in range(n)]))
+    gathered = fc.all_gather_tensor(x, 0, world)
+    torch.testing.assert_close(gathered.cpu(), torch.cat([torch.arange(4.0) + r for r in range(n)]))
     rs = fc.reduce_scatter_tensor(torch.arange(2.0 * n, device=dev), "sum", 0, world)
     torch.testing.assert_close(rs.cpu(), (torch.arange(2.0 * n) * n)[2 * rank:2 * rank + 2])
     a2a = fc.all_to_all_single(torch.full((n,), float(rank), device=dev), None, None, world)
@@ -207,7 +208,8 @@ def _check_errors(rank: int, n: int, dev) -> None:
     import torch.distributed as dist
 
     # mismatched shapes and dtypes across ranks: a clear error on every rank, and the group stays usable
-    for bad in (torch.ones(rank + 1, device=dev), torch.ones(2, device=dev, dtype=torch.float32 if rank else torch.int64)):
+    bad_dtype = torch.float32 if rank else torch.int64
+    for bad in (torch.ones(rank + 1, device=dev), torch.ones(2, device=dev, dtype=bad_dtype)):
         try:
             dist.all_reduce(bad)
         except RuntimeError as e:
@@ -215,6 +217,16 @@ def _check_errors(rank: int, n: int, dev) -> None:
             assert "mismatched" in msg and "all_reduce" in msg and "rank 1:" in msg, msg
         else:
             raise AssertionError("a mismatched all_reduce did not raise")
+    # different collectives on different ranks
+    try:
+        if rank == 0:
+            dist.all_reduce(torch.ones(2, device=dev))
+        else:
+            dist.broadcast(torch.ones(2, device=dev), src=0)
+    except RuntimeError as e:
+        assert "mismatched" in str(e), e
+    else:
+        raise AssertionError("all_reduce against broadcast did not raise")
     try:
         dist.all_reduce(torch.ones(2))
     except RuntimeError as e:
@@ -413,7 +425,8 @@ if __name__ != "__main__":
         fault = fault.split()[0]
         t0 = time.monotonic()
         # The hang runs without the per-collective descriptor exchange: the timeout must not depend on its host sync.
-        env = {"TEST_FAULT": fault, "TEST_PG_TIMEOUT": str(pg_timeout), "TORCH_TPU_DIST_CHECKS": "0" if fault == "hang" else "1"}
+        env = {"TEST_FAULT": fault, "TEST_PG_TIMEOUT": str(pg_timeout),
+               "TORCH_TPU_DIST_CHECKS": "0" if fault == "hang" else "1"}
         env["TEST_VICTIM"] = str(victim)
         results = _launch(n, "kill", 120, tmp_path, env)
         for rc, out in [res for r, res in enumerate(results) if r != victim]:
