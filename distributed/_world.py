@@ -3,8 +3,9 @@ each rank computes on.
 
 JAX's distributed client must start before JAX creates a backend, and torch_tpu creates its backend (the
 PJRT client) lazily on the first tpu use. So the default group's creation starts `jax.distributed` first and
-then the tpu runtime; if the runtime already started, that is a clear error telling the user to call
-`init_process_group` first. JAX cannot re-initialise its distributed client in one process: a new default
+then the tpu runtime. Under torchrun the runtime's start joins the world itself (`join_launcher_world`), so a
+first tpu use may come before init_process_group; elsewhere a runtime that already started is a clear error
+telling the user to call `init_process_group` first. JAX cannot re-initialise its distributed client in one process: a new default
 group after `destroy_process_group` reuses it, which works for the same world (size and rank) and is an
 error otherwise.
 
@@ -115,6 +116,33 @@ def _start_jax_distributed(store: Any, rank: int, size: int, timeout_s: float) -
         shutdown_timeout_seconds=max(min(t, 300), 10),
     )
     _jax_dist = (size, rank)
+
+
+def join_launcher_world() -> None:
+    """Called by the tpu runtime just before it starts. Under torchrun (its agent hosts the c10d store at
+    MASTER_ADDR:MASTER_PORT for every worker) with WORLD_SIZE > 1, joins JAX's distributed world now, so the
+    first tpu use may precede init_process_group (torch.tpu.set_device(local_rank), device_id=...). Elsewhere
+    nothing happens and init_process_group must come first. TORCH_TPU_DIST_EARLY_INIT=0 turns this off."""
+    env = os.environ
+    if _jax_dist is not None or env.get("TORCH_TPU_DIST_EARLY_INIT", "1") == "0":
+        return
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    try:
+        size, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
+        host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    except (KeyError, ValueError):
+        return
+    if size <= 1:
+        return
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=300)
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    # One key space per torchrun attempt: a restarted worker group must not read a stale coordinator address.
+    prefix = f"tpu_dist_early/{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    with _lock:
+        _start_jax_distributed(dist.PrefixStore(prefix, store), rank, size, timeout.total_seconds())
 
 
 def init_world(store: Any, rank: int, size: int, timeout: timedelta | None) -> World:

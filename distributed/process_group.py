@@ -188,6 +188,15 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self.is_default = False
         self._checks = os.environ.get("TORCH_TPU_DIST_CHECKS", "1").strip().lower() not in ("0", "false", "off")
 
+    # This one object is both the process group and its tpu backend (c10d asks the group for its backend by
+    # device, e.g. when init_process_group gets device_id=).
+    supports_splitting = False
+    supports_coalescing = False
+    supports_time_estimate = False
+
+    def _get_backend(self, device: Any = None) -> "ProcessGroupTPU":
+        return self
+
     # -- identity --
     def getBackendName(self) -> str:  # noqa: N802 - c10d's name
         return BACKEND_NAME

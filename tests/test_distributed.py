@@ -32,9 +32,13 @@ def _init(timeout_s: float = 60.0):
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("tpu_dist", timeout=timedelta(seconds=timeout_s))
     local = int(os.environ["LOCAL_RANK"])
-    torch.tpu.set_device(local)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # under torchrun: the CUDA idiom's order
+        torch.tpu.set_device(local)
+        dist.init_process_group("tpu_dist", timeout=timedelta(seconds=timeout_s), device_id=torch.device("tpu", local))
+    else:
+        dist.init_process_group("tpu_dist", timeout=timedelta(seconds=timeout_s))
+        torch.tpu.set_device(local)
     return dist.get_rank(), dist.get_world_size(), torch.device("tpu", local)
 
 

@@ -81,6 +81,7 @@ def start() -> int:
     with _lock:
         if _devices is None:
             configure_jax()
+            _join_launcher_world()
             _platform, _devices = _pick_devices()
             if not _JAX_TO_TORCH:
                 _build_dtype_maps()
@@ -88,6 +89,14 @@ def start() -> int:
 
             _C._set_dtype_map(dict(_JAX_TO_TORCH))
         return len(_devices)
+
+
+def _join_launcher_world() -> None:
+    """Under torchrun, joins JAX's distributed world before the backend starts (torch_tpu.distributed), so
+    torch.tpu.set_device(local_rank) or init_process_group(device_id=...) may come first, as with CUDA."""
+    from torch_tpu.distributed import _world
+
+    _world.join_launcher_world()
 
 
 def devices() -> list[Any]:
