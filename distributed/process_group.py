@@ -197,6 +197,11 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def _get_backend(self, device: Any = None) -> "ProcessGroupTPU":
         return self
 
+    @property
+    def _device_types(self) -> list[torch.device]:
+        # Object collectives (all_gather_object, broadcast_object_list) stage their bytes on this device type.
+        return [torch.device("tpu")]
+
     # -- identity --
     def getBackendName(self) -> str:  # noqa: N802 - c10d's name
         return BACKEND_NAME

@@ -265,6 +265,12 @@ def _scenario_collectives() -> None:
     for w in dist.batch_isend_irecv(ops if rank % 2 == 0 else ops[::-1]):
         w.wait()
     assert got.cpu().tolist() == [float((rank - 1) % n)] * 2
+    objs = [None] * n
+    dist.all_gather_object(objs, {"rank": rank})
+    assert objs == [{"rank": r} for r in range(n)], objs
+    box = [f"from {rank}"]
+    dist.broadcast_object_list(box, src=n - 1)
+    assert box == [f"from {n - 1}"], box
     _check_functional_and_dtensor(rank, n, dev)
     _check_errors(rank, n, dev)
     # destroy, then a new group over the same world in this process, from an explicit store
