@@ -235,6 +235,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
         """destroy_process_group: stops the worker; destroying the default group forgets the world (meshes,
         compiled programs) so a new default group can start in this process."""
         self._worker.jobs.put(None)
+        if self.broken is None:  # let queued collectives finish first (a broken group's may never finish)
+            self._worker.join(min(self.timeout_s, 60.0))
         _programs.clear()
         if self.is_default:
             _world.forget_world()
@@ -264,7 +266,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             raise RuntimeError(
                 f"tpu_dist: {what} got a tensor on {t.device} ({_describe(t)}) but rank {self.rank()} runs on "
                 f"tpu:{idx} (one process per device, chosen by LOCAL_RANK). Move the tensor to tpu:{idx} and "
-                f"call torch.tpu.set_device({idx}) after init_process_group."
+                f"call torch.tpu.set_device({idx})."
             )
 
     def _read(self, what: str, tensors: Sequence[torch.Tensor]) -> list[Any]:
