@@ -138,11 +138,18 @@ def join_launcher_world() -> None:
     import torch.distributed as dist
 
     timeout = timedelta(seconds=300)
-    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
     # One key space per torchrun attempt: a restarted worker group must not read a stale coordinator address.
     prefix = f"tpu_dist_early/{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-    with _lock:
-        _start_jax_distributed(dist.PrefixStore(prefix, store), rank, size, timeout.total_seconds())
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        with _lock:
+            _start_jax_distributed(dist.PrefixStore(prefix, store), rank, size, timeout.total_seconds())
+    except Exception as e:
+        raise RuntimeError(
+            f"torch_tpu: the first tpu use under torchrun (rank {rank} of {size}) joins JAX's distributed world "
+            f"through torchrun's store at {host}:{port}, and that failed: {e}. If this script does not use "
+            "torch.distributed with tpu tensors, set TORCH_TPU_DIST_EARLY_INIT=0."
+        ) from e
 
 
 def init_world(store: Any, rank: int, size: int, timeout: timedelta | None) -> World:
