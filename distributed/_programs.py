@@ -108,10 +108,18 @@ def scatter(root: int) -> Callable[..., Any]:
     return body
 
 
-def send_recv() -> Callable[..., Any]:
-    """A two-device mesh (sender, receiver): the receiver gets the sender's shard."""
+def transfer(src: int) -> Callable[..., Any]:
+    """A two-device mesh (lower rank, higher rank): the other position gets position `src`'s array."""
     def body(x: Any) -> Any:
-        return lax.ppermute(x, AXIS, [(0, 1)])
+        return lax.ppermute(x, AXIS, [(src, 1 - src)])
+    return body
+
+
+def swap() -> Callable[..., Any]:
+    """A two-device mesh: both positions send at once (x0 from position 0, x1 from position 1; each side passes
+    zeros for the other's)."""
+    def body(x0: Any, x1: Any) -> tuple:
+        return lax.ppermute(x0, AXIS, [(0, 1)]), lax.ppermute(x1, AXIS, [(1, 0)])
     return body
 
 
@@ -130,8 +138,9 @@ def program(kind: str, ranks: tuple[int, ...], static: tuple, n_in: int, build: 
 
         specs = tuple(P(AXIS) for _ in range(n_in))
         body = build()
+        multi_out = n_in > 1 or kind in ("allreduce", "broadcast")
         fn = jax.jit(jax.shard_map(body, mesh=_world.mesh(ranks), in_specs=specs,
-                                   out_specs=specs if n_in > 1 or kind in ("allreduce", "broadcast") else P(AXIS)))
+                                   out_specs=specs if multi_out else P(AXIS)))
         _cache[key] = fn
     return fn
 

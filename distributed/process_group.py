@@ -41,7 +41,7 @@ _REDUCE_NAMES = {
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
 _COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
-                "gather", "reduce_scatter", "reduce_scatter_tensor", "scatter", "all_to_all_single", "send_recv",
+                "gather", "reduce_scatter", "reduce_scatter_tensor", "scatter", "all_to_all_single", "send", "recv",
                 "barrier")
 _NAMES = {zlib.crc32(name.encode()): name for name in _COLLECTIVES}
 _MAX_DIMS = 8
@@ -185,6 +185,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._desc = ""
         self._worker = _Worker(f"tpu_dist-{group_name or 'group'}")
         self._worker.start()
+        self._channels: dict[int, _Worker] = {}  # send/recv: one channel per peer
+        self._mailbox: dict[int, list[Any]] = {}  # payloads a peer sent in a swap, waiting for their recv
         self.is_default = False
         self._checks = os.environ.get("TORCH_TPU_DIST_CHECKS", "1").strip().lower() not in ("0", "false", "off")
 
@@ -234,9 +236,12 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def shutdown(self) -> None:
         """destroy_process_group: stops the worker; destroying the default group forgets the world (meshes,
         compiled programs) so a new default group can start in this process."""
-        self._worker.jobs.put(None)
+        workers = [self._worker, *self._channels.values()]
+        for w in workers:
+            w.jobs.put(None)
         if self.broken is None:  # let queued collectives finish first (a broken group's may never finish)
-            self._worker.join(min(self.timeout_s, 60.0))
+            for w in workers:
+                w.join(min(self.timeout_s, 60.0))
         _programs.clear()
         if self.is_default:
             _world.forget_world()
@@ -313,7 +318,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
             )
         return table
 
-    def _submit(self, what: str, fn: Callable[[], list[torch.Tensor]]) -> TpuWork:
+    def _submit(self, what: str, fn: Callable[[], list[torch.Tensor]], worker: "_Worker | None" = None
+                ) -> TpuWork:
         if self.broken is not None:
             raise RuntimeError(f"tpu_dist: {what}: this process group is no longer usable: {self.broken}")
         work = TpuWork(what, self.timeout_s, self)
@@ -326,7 +332,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             except Exception as e:  # XLA reports transport failures as RuntimeError or ValueError
                 raise self._wrap_error(what, e) from e
 
-        self._worker.jobs.put((run, work))
+        (worker or self._worker).jobs.put((run, work))
         return work
 
     def _wrap_error(self, what: str, e: BaseException) -> BaseException:
@@ -648,31 +654,72 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
     # -- point to point --
     def _p2p(self, what: str, t: torch.Tensor, peer: int, sending: bool) -> TpuWork:
+        """send/recv. Each peer has its own channel (a worker thread), so only the order of the operations
+        between two ranks matters, as with NCCL and gloo. A step on a channel first exchanges what each side
+        posted: a send meeting a recv transfers; two sends meeting (both sides send first, as in
+        batch_isend_irecv) swap payloads and each side keeps the other's until its recv is posted."""
         if not 0 <= peer < self.size() or peer == self.rank():
             raise RuntimeError(f"tpu_dist: {what}: peer rank {peer} must be another rank of the group "
                                f"(0..{self.size() - 1}, not this rank {self.rank()})")
         (array,) = self._read(what, [t])
-        src, dst = (self.rank(), peer) if sending else (peer, self.rank())
-        pair = (self.ranks[src], self.ranks[dst])
-        desc = self._descriptor("send_recv", 0, [t])
+        me_g, peer_g = self.ranks[self.rank()], self.ranks[peer]
+        pair = (min(me_g, peer_g), max(me_g, peer_g))
+        pos = pair.index(me_g)
+        desc = self._descriptor(what, 1 if sending else 2, [t])
+        index = self._device_index()
+        mailbox = self._mailbox.setdefault(peer, [])
 
         def fn() -> list[torch.Tensor]:
-            if self._checks:
-                local = _runtime.upload(torch.from_numpy(desc), self._device_index())
-                (g,) = _programs.run("allgather", pair, (False,), [local], _programs.allgather)
-                table = np.asarray(g)
+            if not sending and mailbox:  # the peer's send already arrived in a swap
+                got = mailbox.pop(0)
+                if tuple(got.shape) != tuple(t.shape) or _runtime.torch_dtype(got.dtype) != t.dtype:
+                    raise RuntimeError(
+                        f"tpu_dist: recv(src={peer}) into {_describe(t)}, but rank {peer} sent "
+                        f"{str(_runtime.torch_dtype(got.dtype)).replace('torch.', '')}{list(got.shape)}; the recv "
+                        "tensor must have the shape and dtype of the sent one."
+                    )
+                self._write(t, got)
+                return [t]
+            local = _runtime.upload(torch.from_numpy(desc), index)
+            (g,) = _programs.run("allgather", pair, (False,), [local], _programs.allgather)
+            table = np.asarray(g)
+            other = table[1 - pos]
+
+            def described(row: np.ndarray) -> str:
+                dt = _DTYPES[row[4]] if 0 <= row[4] < len(_DTYPES) else "?"
+                return f"{str(dt).replace('torch.', '')}{[int(d) for d in row[6:6 + int(row[5])]]}"
+
+            other_sends = int(other[1]) == 1
+            if sending and not other_sends or not sending and other_sends:
                 if (table[0][[2, 4]] != table[1][[2, 4]]).any():
                     raise RuntimeError(
-                        f"tpu_dist: send/recv between ranks {src} and {dst}: the sent and received tensors differ "
-                        f"({'this rank' if sending else 'the receiver'} has {_describe(t)}); the recv tensor must "
+                        f"tpu_dist: {what} between ranks {self.rank()} and {peer}: the sent and received tensors "
+                        f"differ (this rank {_describe(t)}, rank {peer} {described(other)}); the recv tensor must "
                         "have the shape and dtype of the sent one."
                     )
-            (v,) = _programs.run("send_recv", pair, (), [array], _programs.send_recv)
+                src = pos if sending else 1 - pos
+                (v,) = _programs.run("transfer", pair, (src,), [array], lambda: _programs.transfer(src))
+                if not sending:
+                    self._write(t, v)
+                return [t]
             if not sending:
-                self._write(t, v)
+                raise RuntimeError(
+                    f"tpu_dist: recv between ranks {self.rank()} and {peer}: both ranks are receiving from each "
+                    "other, so neither can go on. Post the matching send first on one side (or use "
+                    "batch_isend_irecv with the send listed before the recv)."
+                )
+            # Both sides send: swap payloads.
+            other_zero = self._zeros(tuple(int(d) for d in other[6:6 + int(other[5])]), _DTYPES[int(other[4])])
+            inputs = [array, other_zero] if pos == 0 else [other_zero, array]
+            outs = _programs.run("swap", pair, (), inputs, _programs.swap)
+            mailbox.append(outs[1] if pos == 0 else outs[0])
             return [t]
 
-        return self._submit(f"{what}({'dst' if sending else 'src'}={peer}, {_describe(t)})", fn)
+        if peer not in self._channels:
+            self._channels[peer] = _Worker(f"tpu_dist-{self._name or 'group'}-p2p-{peer}")
+            self._channels[peer].start()
+        return self._submit(f"{what}({'dst' if sending else 'src'}={peer}, {_describe(t)})", fn,
+                            self._channels[peer])
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> TpuWork:
         return self._p2p("send", tensors[0], dst, True)

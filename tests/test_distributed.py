@@ -258,13 +258,22 @@ def _scenario_collectives() -> None:
         t = torch.full((2,), float(rank), device=dev)
         dist.all_reduce(t, group=evens if rank % 2 == 0 else odds)
         assert t.cpu().tolist() == [float(sum(mine))] * 2
-    # batch_isend_irecv around the ring (each pair posts its send and recv in matching order)
+    # batch_isend_irecv around the ring, every rank listing its send first (on 2 ranks both sides send at once)
     got = torch.zeros(2, device=dev)
     ops = [dist.P2POp(dist.isend, torch.full((2,), float(rank), device=dev), (rank + 1) % n),
            dist.P2POp(dist.irecv, got, (rank - 1) % n)]
-    for w in dist.batch_isend_irecv(ops if rank % 2 == 0 else ops[::-1]):
+    for w in dist.batch_isend_irecv(ops):
         w.wait()
     assert got.cpu().tolist() == [float((rank - 1) % n)] * 2
+    # both sides send first, then receive (different shapes each way)
+    if n >= 2 and rank < 2:
+        peer = 1 - rank
+        mine = torch.arange(3.0 + rank, device=dev)
+        back = torch.zeros(3 + peer, device=dev)
+        ws = dist.isend(mine, peer)
+        dist.recv(back, peer)
+        ws.wait()
+        assert back.cpu().tolist() == list(range(3 + peer)), back
     objs = [None] * n
     dist.all_gather_object(objs, {"rank": rank})
     assert objs == [{"rank": r} for r in range(n)], objs
