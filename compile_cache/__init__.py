@@ -358,8 +358,9 @@ def storing_elsewhere():
         tls.elsewhere -= 1
 
 
-def load_executable(text: str) -> Any:
-    """The compiled program stored under `text` by store_executable in an earlier process, or None."""
+def load_executable(text: str, device: Any) -> Any:
+    """The compiled program stored under `text` by store_executable in an earlier process, loaded onto
+    `device` (the one it was compiled for), or None."""
     path = _meta_file("graph", text)
     if path is None:
         return None
@@ -369,7 +370,7 @@ def load_executable(text: str) -> Any:
     try:
         from jax.experimental import serialize_executable
 
-        program = serialize_executable.deserialize_and_load(*pickle.loads(data))
+        program = serialize_executable.deserialize_and_load(*pickle.loads(data), execution_devices=[device])
     except Exception as e:  # noqa: BLE001 - e.g. written by an incompatible runtime: recompile
         _cache._discard(path, f"not loadable ({type(e).__name__}: {e})", count=False)
         return None

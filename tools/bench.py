@@ -297,11 +297,95 @@ def bench_cold_start() -> None:
               f"{statistics.median(startup):.2f} s]")
 
 
+ALL_REDUCE_MB = (1, 4, 16, 64)
+
+
+def _all_reduce_rank() -> None:
+    """One rank of bench_all_reduce (started by it with torchrun's environment variables)."""
+    import os
+
+    import torch.distributed as dist
+
+    dist.init_process_group("tpu_dist")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.tpu.set_device(int(os.environ["LOCAL_RANK"]))
+    gloo = dist.new_group(backend="gloo")
+    os.environ["TORCH_TPU_DIST_CHECKS"] = "0"  # read when a group is made: a second tpu group without them
+    unchecked = dist.new_group(backend="tpu_dist")
+    if rank == 0:
+        print(f"all_reduce  {n} ranks, float32 sum, platform={torch.tpu.get_device_name()}  "
+              "(bus bandwidth = 2(n-1)/n x bytes / time, median of interleaved trials)")
+    for mb in ALL_REDUCE_MB:
+        numel = mb * 2**20 // 4
+        t_tpu = torch.ones(numel, device="tpu")
+        t_cpu = torch.ones(numel)
+
+        def on_tpu() -> None:
+            dist.all_reduce(t_tpu)
+            torch.tpu.synchronize()
+
+        def on_tpu_unchecked() -> None:
+            dist.all_reduce(t_tpu, group=unchecked)
+            torch.tpu.synchronize()
+
+        def on_gloo() -> None:
+            dist.all_reduce(t_cpu, group=gloo)
+
+        calls = max(2, 64 // mb)
+        fns = {"tpu_dist": on_tpu, "unchecked": on_tpu_unchecked, "gloo": on_gloo}
+        samples: dict[str, list[float]] = {k: [] for k in fns}
+        for fn in fns.values():  # warm-up: compile, connect
+            fn()
+        for _ in range(5):
+            for name, fn in fns.items():
+                dist.barrier(group=gloo)
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                samples[name].append((time.perf_counter() - t0) / calls)
+        if rank == 0:
+            med = {k: statistics.median(v) for k, v in samples.items()}
+            bus = {k: 2 * (n - 1) / n * numel * 4 / v / 1e9 for k, v in med.items()}
+            print(f"  {mb:3d} MB  tpu_dist {med['tpu_dist'] * 1e3:7.2f} ms {bus['tpu_dist']:5.2f} GB/s  "
+                  f"(checks off {bus['unchecked']:5.2f} GB/s)  "
+                  f"gloo on cpu tensors {med['gloo'] * 1e3:7.2f} ms {bus['gloo']:5.2f} GB/s  "
+                  f"-> tpu_dist/gloo {bus['tpu_dist'] / bus['gloo']:.2f}x", flush=True)
+    dist.destroy_process_group()
+
+
+def bench_all_reduce(ranks: int = 2) -> None:
+    """all_reduce bus bandwidth of tpu_dist on tpu tensors next to torch's gloo backend on CPU tensors, in the
+    same processes (2 ranks started like torchrun, 1-64 MB float32)."""
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(ranks):
+        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TF_CPP_MIN_LOG_LEVEL="2")
+        out = None if r == 0 else subprocess.DEVNULL
+        procs.append(subprocess.Popen([sys.executable, __file__, "--all-reduce-rank"], env=env, stdout=out,
+                                      stderr=subprocess.DEVNULL, cwd="/"))
+    for p in procs:
+        try:
+            p.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            print("  all_reduce: a rank did not finish within 600 s")
+
+
 BENCHMARKS = {"eager_overhead": bench_eager_overhead, "op_overhead": bench_op_overhead, "training": bench_training,
-              "fuse": bench_fuse, "cold_start": bench_cold_start}
+              "fuse": bench_fuse, "cold_start": bench_cold_start, "all_reduce": bench_all_reduce}
 
 
 def main(argv: list[str]) -> int:
+    if argv == ["--all-reduce-rank"]:
+        _all_reduce_rank()
+        return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", help=f"benchmarks to run (default: all of {', '.join(BENCHMARKS)})")
     args = ap.parse_args(argv)

@@ -41,6 +41,10 @@ def _setup() -> None:
     # TPUs compute in bfloat16 natively: torch.autocast("tpu") defaults to it (runtime/TpuAutocast.cpp has the
     # per-op policy).
     torch.set_autocast_dtype("tpu", torch.bfloat16)
+    # torch.distributed backend "tpu_dist" for tpu tensors (registration only: no JAX import).
+    from torch_tpu import distributed
+
+    distributed.register()
 
     mode = os.environ.get("TORCH_TPU_CPU_FALLBACK", "").strip().lower()
     if mode not in _FALLBACK_MODES:

@@ -433,8 +433,10 @@ def _fused_program(g: _Graph, outs: tuple, donate: tuple[int, ...]) -> Callable[
     if all(t is not None for t in texts):
         specs = [(type(a).__name__, tuple(getattr(a, "shape", ())), str(getattr(a, "dtype", "")))
                  for a in g.inputs]
-        text = repr((texts, outs, donate, specs, _runtime.device(g.index).device_kind, g.index))
-        loaded = compile_cache.load_executable(text)
+        device = _runtime.device(g.index)
+        text = repr((texts, outs, donate, specs, device.platform, device.device_kind, device.id,
+                     jax.process_count()))
+        loaded = compile_cache.load_executable(text, device)
         if loaded is not None:
             return loaded
     replay = _replay(list(g.nodes), outs)

@@ -57,7 +57,7 @@ def _pick_devices() -> tuple[str, list[Any]]:
                 "when one is present and XLA:CPU otherwise."
             )
         try:
-            devs = jax.devices(forced)
+            devs = jax.local_devices(backend=forced)
         except RuntimeError as e:
             hint = {
                 "tpu": "install libtpu (pip install 'torch_tpu[tpu]') on a TPU VM",
@@ -66,12 +66,13 @@ def _pick_devices() -> tuple[str, list[Any]]:
             }[forced]
             raise RuntimeError(f"TORCH_TPU_PLATFORM={forced} but JAX found no {forced} devices ({e}). {hint}") from e
         return forced, devs
+    # This process's devices: with jax.distributed (torch_tpu.distributed) jax.devices() spans all processes.
     if os.environ.get("TORCH_TPU_NUM_DEVICES"):
-        return "cpu", jax.devices("cpu")
+        return "cpu", jax.local_devices(backend="cpu")
     try:
-        return "tpu", jax.devices("tpu")
+        return "tpu", jax.local_devices(backend="tpu")
     except RuntimeError:
-        return "cpu", jax.devices("cpu")
+        return "cpu", jax.local_devices(backend="cpu")
 
 
 def start() -> int:
@@ -80,6 +81,7 @@ def start() -> int:
     with _lock:
         if _devices is None:
             configure_jax()
+            _join_launcher_world()
             _platform, _devices = _pick_devices()
             if not _JAX_TO_TORCH:
                 _build_dtype_maps()
@@ -89,6 +91,14 @@ def start() -> int:
             _metrics.install_listener()
             compile_cache.install()
         return len(_devices)
+
+
+def _join_launcher_world() -> None:
+    """Under torchrun, joins JAX's distributed world before the backend starts (torch_tpu.distributed), so
+    torch.tpu.set_device(local_rank) or init_process_group(device_id=...) may come first, as with CUDA."""
+    from torch_tpu.distributed import _world
+
+    _world.join_launcher_world()
 
 
 def devices() -> list[Any]:
