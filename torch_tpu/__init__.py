@@ -29,6 +29,10 @@ def _setup() -> None:
     )
     _C._set_callbacks(_runtime.start, _storage.resize_array, _runtime.synchronize)
     kernels.install()
+    # torch.compile: Dynamo must run the Python kernels above as plain Python, never trace them.
+    from torch_tpu import _dynamo_skip
+
+    _dynamo_skip.skip_kernels()
     # TPUs compute in bfloat16 natively: torch.autocast("tpu") defaults to it (runtime/TpuAutocast.cpp has the
     # per-op policy).
     torch.set_autocast_dtype("tpu", torch.bfloat16)

@@ -1,0 +1,469 @@
+"""`torch.compile(model, backend="tpu")`: each aten graph becomes one jitted XLA program.
+
+Dynamo captures the Python code; AOTAutograd (with `decompositions()`) turns each captured graph into functional
+aten graphs, one for the forward and one for the backward (or one inference graph). Each aten graph is lowered here
+into a single `jax.jit` program: an FX interpreter calls the kernel registry's lowering of every node on JAX
+tracers (`registry.trace_call`, the same table the eager kernels use; views and composites are trace-only
+lowerings in kernels/views.py). Jitted programs go through JAX's compilation cache, so the persistent compile
+cache applies to them.
+
+- Shapes: every XLA program has static shapes. When Dynamo hands over symbolic sizes (`dynamic=True`,
+  `mark_dynamic`, or its automatic dynamic shapes after a size changed) they enter the program as static
+  arguments: the Dynamo/AOT graph is reused and XLA compiles one program per distinct concrete size (no padding).
+- Mutation: functionalized graphs end with `copy_(input, new_value)` for mutated inputs (optimizer state, batch
+  norm running stats in inference graphs); the program returns the new values and they are written back into the
+  inputs' storages. Outputs that are graph inputs are returned as the same tensors (aliasing kept); outputs whose
+  expected strides are a permutation of a dense layout get those strides.
+- Missing lowerings: compiling a graph with an aten op that has no traceable lowering raises NotImplementedError
+  naming the op, its input shapes/dtypes and the ways out. With `TORCH_TPU_COMPILE_FALLBACK=eager` (or
+  `options={"fallback": "eager"}`) such a graph instead runs op by op in tpu eager, with a warning.
+- Inspecting: `TORCH_TPU_DUMP_DIR=dir` (or `options={"dump_dir": dir}`) writes each aten graph
+  (`<graph>.fx.txt`) and each XLA program it became (`<graph>.stablehlo.mlir`).
+
+This module imports torch._dynamo, so it is loaded only when Dynamo looks the backend up (the
+`torch_dynamo_backends` entry point), never at `import torch`.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import operator
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+from torch._dynamo.device_interface import DeviceInterface, register_interface_for_device
+from torch._dynamo.utils import counters
+
+from torch_tpu import _C, _runtime, _storage
+from torch_tpu._jax import jax
+from torch_tpu.kernels import registry
+
+aten = torch.ops.aten
+
+__all__ = ["tpu_backend", "decompositions", "TpuInterface"]
+
+
+# =====================================================================================================================
+# ---- the boundary with tensors: the only place this module reads, writes or creates tpu tensors ----
+
+def _read_input(t: torch.Tensor, index: int) -> Any:
+    """The device array of a graph input (a CPU tensor input, e.g. a scalar, is uploaded)."""
+    if t.device.type == "tpu":
+        return _storage.read(t)
+    return _runtime.upload(t, index)
+
+
+def _write_mutation(t: torch.Tensor, value: Any) -> None:
+    """Writes the new value of a mutated graph input into its storage."""
+    _storage.write(t, value)
+
+
+def _wrap_output(value: Any, index: int) -> torch.Tensor:
+    """A new tpu tensor owning the program's output array."""
+    return registry.wrap_arrays(value, index)
+
+
+# =====================================================================================================================
+# ---- registration ----
+
+class TpuInterface(DeviceInterface):
+    """Dynamo's view of the tpu device runtime (device index, count, synchronize)."""
+
+    class Event:  # XLA orders work per device; events are not needed by the tpu backend
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise NotImplementedError("tpu events are not supported")
+
+    class Stream:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise NotImplementedError("tpu streams are not supported")
+
+    class Worker:
+        @staticmethod
+        def set_device(device: int) -> None:
+            torch.tpu.set_device(device)
+
+        @staticmethod
+        def current_device() -> int:
+            return torch.tpu.current_device()
+
+        @staticmethod
+        def get_device_properties(device: Any = None) -> Any:
+            return torch.tpu.get_device_properties(device)
+
+    @staticmethod
+    def current_device() -> int:
+        return torch.tpu.current_device()
+
+    @staticmethod
+    def set_device(device: Any) -> None:
+        torch.tpu.set_device(device)
+
+    @staticmethod
+    def maybe_exchange_device(device: int) -> int:
+        prev = torch.tpu.current_device()
+        if device != prev:
+            torch.tpu.set_device(device)
+        return prev
+
+    @staticmethod
+    def exchange_device(device: int) -> int:
+        return TpuInterface.maybe_exchange_device(device)
+
+    @staticmethod
+    def device_count() -> int:
+        return torch.tpu.device_count()
+
+    @staticmethod
+    def is_available() -> bool:
+        return torch.tpu.is_available()
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        torch.tpu.synchronize(device)
+
+    @classmethod
+    def get_device_properties(cls, device: Any = None) -> Any:
+        return torch.tpu.get_device_properties(device)
+
+    @staticmethod
+    def get_compute_capability(device: Any = None) -> str:
+        return ""
+
+    @staticmethod
+    def is_bf16_supported(including_emulation: bool = False) -> bool:
+        return True
+
+    @staticmethod
+    def memory_allocated(device: Any = None) -> int:
+        return torch.tpu.memory_allocated(device)
+
+    @staticmethod
+    def is_triton_capable(device: Any = None) -> bool:
+        return False
+
+
+def _register() -> None:
+    from torch._dynamo import trace_rules
+
+    register_interface_for_device("tpu", TpuInterface)
+    # User code that calls torch.tpu.* or JAX inside a compiled function graph-breaks there instead of being traced.
+    for name in ("torch_tpu", "jax", "jaxlib"):
+        trace_rules.add(name)
+
+
+_register()
+
+
+# =====================================================================================================================
+# ---- the backend ----
+
+_GRAPH_IDS = itertools.count()
+
+
+def _options(options: dict[str, Any] | None) -> dict[str, Any]:
+    opts = {"dump_dir": os.environ.get("TORCH_TPU_DUMP_DIR") or None,
+            "fallback": os.environ.get("TORCH_TPU_COMPILE_FALLBACK", "").strip().lower() or None}
+    for k, v in (options or {}).items():
+        if k not in opts:
+            raise ValueError(f"torch.compile(backend='tpu'): unknown option {k!r}; known: {', '.join(opts)}")
+        opts[k] = v
+    if opts["fallback"] not in (None, "eager", "strict", "0", "off"):
+        raise ValueError(f"torch.compile(backend='tpu'): fallback={opts['fallback']!r}: use 'eager' (graphs with "
+                         "ops that have no tpu lowering run op by op) or leave it unset (they raise)")
+    return opts
+
+
+def tpu_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
+    """The Dynamo backend "tpu": AOTAutograd, then one jitted XLA program per aten graph."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    opts = _options(kwargs.get("options"))
+    gid = next(_GRAPH_IDS)
+
+    def compiler(kind: str) -> Callable[..., Any]:
+        def compile_graph(g: torch.fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
+            return compile_aten_graph(g, inputs, f"graph{gid}_{kind}", opts)
+
+        return compile_graph
+
+    backend = aot_autograd(
+        fw_compiler=compiler("forward"), bw_compiler=compiler("backward"), inference_compiler=compiler("inference"),
+        decompositions=decompositions(), keep_inference_input_mutations=True,
+    )
+    return backend(gm, example_inputs)
+
+
+@functools.cache
+def decompositions() -> dict[Any, Callable[..., Any]]:
+    """PyTorch's core-aten decompositions, plus batch norm's functional forms, minus every op the registry lowers
+    itself (a lowering is one XLA op where a decomposition would be several)."""
+    from torch._decomp import core_aten_decompositions, get_decompositions
+
+    table = dict(core_aten_decompositions())
+    table.update(get_decompositions([
+        aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit, aten.native_batch_norm,
+        aten._batch_norm_with_update, aten._batch_norm_with_update_functional, aten.native_dropout,
+    ]))
+    for op in list(table):
+        if isinstance(op, torch._ops.OpOverload) and registry.overload_name(op) in registry.LOWERINGS:
+            del table[op]
+    return table
+
+
+# =====================================================================================================================
+# ---- one aten graph -> one jitted program ----
+
+def _describe(node: torch.fx.Node) -> str:
+    """The node's tensor inputs as `shape dtype device` (from the graph's fake tensors)."""
+    parts = []
+    for a in node.all_input_nodes:
+        v = a.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            parts.append(f"{a.name}: {list(v.shape)} {v.dtype} {v.device}")
+        elif v is not None:
+            parts.append(f"{a.name}: {v!r}")
+    return "; ".join(parts) or "no tensor inputs"
+
+
+def _is_mutation(node: torch.fx.Node) -> bool:
+    return node.target is aten.copy_.default and node.args[0].op == "placeholder"
+
+
+def _check_lowerings(gm: torch.fx.GraphModule, name: str) -> list[str]:
+    """Problems that stop this graph from becoming one XLA program, each naming the op and its inputs."""
+    problems = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if _is_mutation(node):
+            continue
+        if isinstance(target, torch._ops.OpOverload):
+            op = registry.overload_name(target)
+            if target.namespace != "aten" or not registry.traceable(op):
+                problems.append(f"{target.namespace}::{op} (node {node.name}; inputs {_describe(node)})")
+            elif target in (aten.as_strided.default, aten.as_strided_copy.default):
+                src = node.args[0].meta.get("val")
+                if isinstance(src, torch.Tensor) and not (src.is_contiguous() and src.storage_offset() == 0):
+                    problems.append(f"aten::{op} of a non-contiguous input (node {node.name}; inputs "
+                                    f"{_describe(node)})")
+        elif isinstance(target, torch._ops.OperatorBase):
+            problems.append(f"{target} (node {node.name}; inputs {_describe(node)})")
+        # Anything else (operator.getitem, SymInt arithmetic, math.*) runs as Python at trace time.
+    return problems
+
+
+def _stride_plan(val: Any) -> tuple[int, ...] | None:
+    """For an output expected with a dense, permuted layout: the dims in memory order (outermost first)."""
+    if not isinstance(val, torch.Tensor) or val.dim() < 2:
+        return None
+    try:
+        sizes, strides = [int(s) for s in val.shape], [int(s) for s in val.stride()]
+        offset = int(val.storage_offset())
+    except (TypeError, RuntimeError):  # symbolic sizes: contiguous
+        return None
+    if offset != 0 or math.prod(sizes) <= 1:
+        return None
+    order = tuple(sorted(range(len(sizes)), key=lambda d: (-strides[d], d)))
+    if order == tuple(range(len(sizes))):
+        return None
+    expected = 1
+    for d in reversed(order):
+        if sizes[d] != 1 and strides[d] != expected:
+            return None  # overlapping, expanded or gapped: returned contiguous
+        expected *= sizes[d]
+    return order
+
+
+def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str,
+                       opts: dict[str, Any]) -> Callable[..., Any]:
+    """One AOTAutograd graph -> a boxed callable running it as one jitted XLA program."""
+    counters["tpu"]["graphs"] += 1
+    dump_dir = Path(opts["dump_dir"]) if opts.get("dump_dir") else None
+    if dump_dir is not None:
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        shapes = [f"{list(x.shape)} {x.dtype} {x.device}" if isinstance(x, torch.Tensor) else repr(x)
+                  for x in example_inputs]
+        (dump_dir / f"{name}.fx.txt").write_text(
+            "# inputs:\n" + "".join(f"#   {i}: {s}\n" for i, s in enumerate(shapes))
+            + gm.print_readable(print_output=False))
+
+    problems = _check_lowerings(gm, name)
+    if problems:
+        listing = "\n  ".join(problems)
+        if opts.get("fallback") == "eager":
+            warnings.warn(f"torch.compile(backend='tpu'): {name} runs op by op in tpu eager (fallback='eager') "
+                          f"because these ops have no tpu lowering:\n  {listing}")
+            counters["tpu"]["eager_fallback_graphs"] += 1
+            return _boxed(lambda args: gm(*args))
+        raise NotImplementedError(
+            f"torch.compile(backend='tpu'): the {name} aten graph has ops without a tpu lowering:\n  {listing}\n"
+            "Ways out: add a lowering in kernels/ (docs/adding_kernels.md); or move that code out of the compiled "
+            "region (torch._dynamo.disable or torch.compiler.disable); or set TORCH_TPU_COMPILE_FALLBACK=eager "
+            "(or options={'fallback': 'eager'}) to run such graphs op by op in tpu eager.")
+
+    return _GraphProgram(gm, example_inputs, name, dump_dir).boxed()
+
+
+def _boxed(fn: Callable[[list], Any]) -> Callable[[list], Any]:
+    def call(args: list) -> Any:
+        return fn(args)
+
+    call._boxed_call = True  # type: ignore[attr-defined]
+    return call
+
+
+class _GraphProgram:
+    """The jitted program of one aten graph and the glue that feeds it tensors."""
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str,
+                 dump_dir: Path | None) -> None:
+        self.gm = gm
+        self.name = name
+        self.dump_dir = dump_dir
+        self.nodes = list(gm.graph.nodes)
+        placeholders = [n for n in self.nodes if n.op == "placeholder"]
+        self.tensor_idx: list[int] = []  # graph inputs that are tensors (fed as arrays)
+        self.static_idx: list[int] = []  # graph inputs that are numbers (SymInts...): static arguments
+        self.index = -1
+        for i, (node, x) in enumerate(zip(placeholders, example_inputs)):
+            if isinstance(x, torch.Tensor):
+                self.tensor_idx.append(i)
+                if x.device.type == "tpu" and self.index < 0:
+                    self.index = x.device.index or 0
+            else:
+                self.static_idx.append(i)
+        if self.index < 0:
+            self.index = _C._current_device()
+        self.placeholder_pos = {n: i for i, n in enumerate(placeholders)}
+        # Constants held by the graph module (get_attr): read once, fed as extra arguments.
+        self.constants: list[Any] = []
+        self.constant_nodes: list[torch.fx.Node] = []
+        for node in self.nodes:
+            if node.op == "get_attr":
+                value = getattr(gm, node.target)
+                if isinstance(value, torch.Tensor):
+                    self.constant_nodes.append(node)
+                    self.constants.append(_read_input(value, self.index))
+        # Mutated inputs: copy_(placeholder, value), in graph order.
+        self.mutated = [self.placeholder_pos[n.args[0]] for n in self.nodes
+                        if n.op == "call_function" and _is_mutation(n)]
+        # Outputs: ("input", i) an input returned as is; ("array", k, plan) the program's k-th array output;
+        # ("value", j) a non-tensor value (a SymInt...) fixed per static key; ("none",) None.
+        out_node = next(n for n in self.nodes if n.op == "output")
+        outs = out_node.args[0]
+        self.out_tuple = isinstance(outs, (tuple, list))
+        self.out_spec: list[tuple] = []
+        k = j = 0
+        for o in (outs if self.out_tuple else (outs,)):
+            if o is None:
+                self.out_spec.append(("none",))
+            elif isinstance(o, torch.fx.Node) and o.op == "placeholder":
+                self.out_spec.append(("input", self.placeholder_pos[o]))
+            elif isinstance(o, torch.fx.Node) and isinstance(o.meta.get("val"), torch.Tensor):
+                self.out_spec.append(("array", k, _stride_plan(o.meta["val"])))
+                k += 1
+            else:
+                self.out_spec.append(("value", j))
+                j += 1
+        self.out_values: dict[tuple, list[Any]] = {}  # static key -> the non-tensor outputs
+        self.jitted = jax.jit(self._run, static_argnums=0)
+        self.dumped: set[tuple] = set()
+
+    # -- the traced function: the FX interpreter over JAX values --
+    def _run(self, statics: tuple, *arrays: Any) -> tuple[tuple, tuple]:
+        env: dict[torch.fx.Node, Any] = {}
+        n_in = len(self.tensor_idx)
+        inputs = dict(zip(self.tensor_idx, arrays[:n_in]))
+        inputs.update(zip(self.static_idx, statics))
+        env.update(zip(self.constant_nodes, arrays[n_in:]))
+        mutations: list[Any] = []
+        result: Any = None
+        for node in self.nodes:
+            if node.op == "placeholder":
+                env[node] = inputs[self.placeholder_pos[node]]
+            elif node.op == "get_attr":
+                if node not in env:
+                    env[node] = getattr(self.gm, node.target)
+            elif node.op == "call_function":
+                args = torch.fx.node.map_arg(node.args, env.__getitem__)
+                kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+                env[node] = self._call(node, args, kwargs, mutations)
+            elif node.op == "output":
+                result = torch.fx.node.map_arg(node.args[0], env.__getitem__)
+            else:
+                raise NotImplementedError(f"torch.compile(backend='tpu'): FX node kind {node.op!r} ({node.name})")
+        values = result if self.out_tuple else (result,)
+        arrays_out, others = [], []
+        for spec, v in zip(self.out_spec, values):
+            if spec[0] == "array":
+                plan = spec[2]
+                arrays_out.append(v if plan is None else v.transpose(plan))
+            elif spec[0] == "value":
+                others.append(v)
+        self.out_values[statics] = others
+        return tuple(arrays_out), tuple(mutations)
+
+    def _call(self, node: torch.fx.Node, args: Any, kwargs: Any, mutations: list[Any]) -> Any:
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload):
+            return target(*args, **kwargs)  # operator.getitem, SymInt arithmetic
+        if _is_mutation(node):
+            new = registry.trace_call("copy", [args[0], args[1]], {})
+            mutations.append(new)
+            return new
+        op = registry.overload_name(target)
+        try:
+            return registry.trace_call(op, args, kwargs)
+        except Exception as e:
+            raise type(e)(f"torch.compile(backend='tpu'): lowering aten::{op} failed in {self.name} at node "
+                          f"{node.name} (inputs {_describe(node)}): {e}") from e
+
+    # -- the call --
+    def boxed(self) -> Callable[[list], Any]:
+        tensor_idx, static_idx, mutated = self.tensor_idx, self.static_idx, self.mutated
+        constants, index, jitted, out_spec = self.constants, self.index, self.jitted, self.out_spec
+        out_tuple, out_values = self.out_tuple, self.out_values
+
+        def call(args: list) -> Any:
+            statics = tuple(args[i] for i in static_idx)
+            arrays = [_read_input(args[i], index) for i in tensor_idx]
+            if self.dump_dir is not None and statics not in self.dumped:
+                self._dump(statics, arrays)
+            if statics not in out_values:
+                counters["tpu"]["xla_programs"] += 1
+            outs, muts = jitted(statics, *arrays, *constants)
+            for i, m in zip(mutated, muts):
+                _write_mutation(args[i], m)
+            results = []
+            for spec in out_spec:
+                kind = spec[0]
+                if kind == "array":
+                    t = _wrap_output(outs[spec[1]], index)
+                    plan = spec[2]
+                    if plan is not None:  # back to the logical order, with the expected strides
+                        t = t.permute(tuple(plan.index(d) for d in range(len(plan))))
+                    results.append(t)
+                elif kind == "input":
+                    results.append(args[spec[1]])
+                elif kind == "value":
+                    results.append(out_values[statics][spec[1]])
+                else:
+                    results.append(None)
+            args.clear()
+            return results if out_tuple else results[0]
+
+        call._boxed_call = True  # type: ignore[attr-defined]
+        return call
+
+    def _dump(self, statics: tuple, arrays: list[Any]) -> None:
+        self.dumped.add(statics)
+        suffix = "" if not statics else "_" + "_".join(str(s) for s in statics)
+        text = self.jitted.lower(statics, *arrays, *self.constants).as_text()
+        (self.dump_dir / f"{self.name}{suffix}.stablehlo.mlir").write_text(text)
