@@ -60,8 +60,12 @@ def _read_input(t: torch.Tensor, index: int) -> Any:
 
 
 def _write_mutation(t: torch.Tensor, value: Any) -> None:
-    """Writes the new value of a mutated graph input into its storage."""
-    _storage.write(t, value)
+    """Writes the new value of a mutated graph input into its storage (a CPU input, like a non-capturable
+    optimizer's step count, is copied back to the host)."""
+    if t.device.type == "tpu":
+        _storage.write(t, value)
+    else:
+        t.copy_(_runtime.download(value))
 
 
 def _wrap_output(value: Any, index: int) -> torch.Tensor:
