@@ -35,6 +35,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 import torch.fx
 from torch._dynamo.device_interface import DeviceInterface, register_interface_for_device
@@ -53,10 +54,14 @@ __all__ = ["tpu_backend", "decompositions", "TpuInterface"]
 # ---- the boundary with tensors: the only place this module reads, writes or creates tpu tensors ----
 
 def _read_input(t: torch.Tensor, index: int) -> Any:
-    """The device array of a graph input (a CPU tensor input, e.g. a scalar, is uploaded)."""
+    """The device array of a graph input; a CPU tensor (e.g. a step count) becomes a private numpy copy that the
+    jitted call moves to the device (cheaper than a device_put of its own)."""
     if t.device.type == "tpu":
         return _storage.read(t)
-    return _runtime.upload(t, index)
+    try:
+        return np.array(t.detach().numpy(), copy=True)
+    except (TypeError, RuntimeError):  # dtypes numpy lacks (bfloat16...), conjugate or negative views
+        return np.array(_runtime.host_to_numpy(t), copy=True)
 
 
 def _write_mutation(t: torch.Tensor, value: Any) -> None:
@@ -323,8 +328,19 @@ def _boxed(fn: Callable[[list], Any]) -> Callable[[list], Any]:
     return call
 
 
+def _on_host(val: Any) -> bool:
+    """A CPU tensor value (or a tuple of them) in the graph's metadata."""
+    if isinstance(val, (tuple, list)):
+        return bool(val) and all(_on_host(v) for v in val)
+    return isinstance(val, torch.Tensor) and val.device.type == "cpu"
+
+
 class _GraphProgram:
-    """The jitted program of one aten graph and the glue that feeds it tensors."""
+    """The jitted program of one aten graph and the glue that feeds it tensors.
+
+    CPU tensors in a tpu graph (a non-capturable optimizer's step counts) stay on the host: the nodes computed
+    from CPU inputs alone run there first, op by op, and only the values the device part needs are sent. A CPU
+    input updated from host values is then updated on the host, with no wait for the device."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str,
                  dump_dir: Path | None) -> None:
@@ -333,19 +349,45 @@ class _GraphProgram:
         self.dump_dir = dump_dir
         self.nodes = list(gm.graph.nodes)
         placeholders = [n for n in self.nodes if n.op == "placeholder"]
-        self.tensor_idx: list[int] = []  # graph inputs that are tensors (fed as arrays)
-        self.static_idx: list[int] = []  # graph inputs that are numbers (SymInts...): static arguments
+        self.placeholder_pos = {n: i for i, n in enumerate(placeholders)}
+        self.tensor_idx: list[int] = []  # tpu tensor inputs (fed as device arrays)
+        self.static_idx: list[int] = []  # number inputs (SymInts...): static arguments
         self.index = -1
+        host: dict[torch.fx.Node, None] = {}  # nodes evaluated on the host, in graph order
         for i, (node, x) in enumerate(zip(placeholders, example_inputs)):
             if isinstance(x, torch.Tensor):
-                self.tensor_idx.append(i)
-                if x.device.type == "tpu" and self.index < 0:
-                    self.index = x.device.index or 0
+                if x.device.type == "tpu":
+                    self.tensor_idx.append(i)
+                    if self.index < 0:
+                        self.index = x.device.index or 0
+                else:
+                    host[node] = None
             else:
                 self.static_idx.append(i)
         if self.index < 0:
             self.index = _C._current_device()
-        self.placeholder_pos = {n: i for i, n in enumerate(placeholders)}
+        # Host-computable nodes (CPU values from CPU inputs alone); only those that CPU inputs' updates need run
+        # on the host (op by op costs more than in the program).
+        computable = dict(host)
+        for node in self.nodes:
+            if (node.op == "call_function" and not _is_mutation(node) and _on_host(node.meta.get("val"))
+                    and all(a in computable for a in node.all_input_nodes)):
+                computable[node] = None
+        needed: set[torch.fx.Node] = set()
+        stack = [n.args[1] for n in self.nodes if n.op == "call_function" and _is_mutation(n)
+                 and n.args[0] in host and n.args[1] in computable]
+        while stack:
+            n = stack.pop()
+            if n not in needed:
+                needed.add(n)
+                stack.extend(n.all_input_nodes)
+        host.update((n, None) for n in self.nodes if n in needed and n not in host)
+        host = {n: None for n in self.nodes if n in host}  # graph order
+        self.host = host
+        # Host values the device part reads, fed as extra arguments.
+        self.host_feeds = [n for n in host if any(u not in host and u.op != "output" and not
+                                                  (_is_mutation(u) and u.args[0] in host and u.args[1] in host)
+                                                  for u in n.users)]
         # Constants held by the graph module (get_attr): read once, fed as extra arguments.
         self.constants: list[Any] = []
         self.constant_nodes: list[torch.fx.Node] = []
@@ -355,11 +397,15 @@ class _GraphProgram:
                 if isinstance(value, torch.Tensor):
                     self.constant_nodes.append(node)
                     self.constants.append(_read_input(value, self.index))
-        # Mutated inputs: copy_(placeholder, value), in graph order.
-        self.mutated = [self.placeholder_pos[n.args[0]] for n in self.nodes
-                        if n.op == "call_function" and _is_mutation(n)]
-        # Outputs: ("input", i) an input returned as is; ("array", k, plan) the program's k-th array output;
-        # ("value", j) a non-tensor value (a SymInt...) fixed per static key; ("none",) None.
+        # Mutated inputs: copy_(placeholder, value), in graph order; on the host when both sides are.
+        mutations = [n for n in self.nodes if n.op == "call_function" and _is_mutation(n)]
+        self.host_mutations = [(self.placeholder_pos[n.args[0]], n.args[1]) for n in mutations
+                               if n.args[0] in host and n.args[1] in host]
+        self.device_mutations = {n for n in mutations if not (n.args[0] in host and n.args[1] in host)}
+        self.skip = set(host) | {n for n in mutations if n not in self.device_mutations}
+        self.mutated = [self.placeholder_pos[n.args[0]] for n in mutations if n in self.device_mutations]
+        # Outputs: ("input", i) an input returned as is; ("host", node) a host value; ("array", k, plan) the
+        # program's k-th array output; ("value", j) a non-tensor value (a SymInt...) fixed per static key; ("none",).
         out_node = next(n for n in self.nodes if n.op == "output")
         outs = out_node.args[0]
         self.out_tuple = isinstance(outs, (tuple, list))
@@ -370,8 +416,11 @@ class _GraphProgram:
                 self.out_spec.append(("none",))
             elif isinstance(o, torch.fx.Node) and o.op == "placeholder":
                 self.out_spec.append(("input", self.placeholder_pos[o]))
+            elif isinstance(o, torch.fx.Node) and o in host:
+                self.out_spec.append(("host", o))
             elif isinstance(o, torch.fx.Node) and isinstance(o.meta.get("val"), torch.Tensor):
-                self.out_spec.append(("array", k, _stride_plan(o.meta["val"])))
+                cpu = o.meta["val"].device.type == "cpu"  # a CPU value computed in the program: sent back
+                self.out_spec.append(("array", k, None if cpu else _stride_plan(o.meta["val"]), cpu))
                 k += 1
             else:
                 self.out_spec.append(("value", j))
@@ -383,24 +432,26 @@ class _GraphProgram:
     # -- the traced function: the FX interpreter over JAX values --
     def _run(self, statics: tuple, *arrays: Any) -> tuple[tuple, tuple]:
         env: dict[torch.fx.Node, Any] = {}
-        n_in = len(self.tensor_idx)
+        n_in, n_host = len(self.tensor_idx), len(self.host_feeds)
         inputs = dict(zip(self.tensor_idx, arrays[:n_in]))
         inputs.update(zip(self.static_idx, statics))
-        env.update(zip(self.constant_nodes, arrays[n_in:]))
+        env.update(zip(self.host_feeds, arrays[n_in:n_in + n_host]))
+        env.update(zip(self.constant_nodes, arrays[n_in + n_host:]))
         mutations: list[Any] = []
         result: Any = None
         for node in self.nodes:
+            if node in env or node in self.skip:
+                continue
             if node.op == "placeholder":
                 env[node] = inputs[self.placeholder_pos[node]]
             elif node.op == "get_attr":
-                if node not in env:
-                    env[node] = getattr(self.gm, node.target)
+                env[node] = getattr(self.gm, node.target)
             elif node.op == "call_function":
                 args = torch.fx.node.map_arg(node.args, env.__getitem__)
                 kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
                 env[node] = self._call(node, args, kwargs, mutations)
             elif node.op == "output":
-                result = torch.fx.node.map_arg(node.args[0], env.__getitem__)
+                result = torch.fx.node.map_arg(node.args[0], lambda n: None if n in self.host else env[n])
             else:
                 raise NotImplementedError(f"torch.compile(backend='tpu'): FX node kind {node.op!r} ({node.name})")
         values = result if self.out_tuple else (result,)
@@ -418,7 +469,7 @@ class _GraphProgram:
         target = node.target
         if not isinstance(target, torch._ops.OpOverload):
             return target(*args, **kwargs)  # operator.getitem, SymInt arithmetic
-        if _is_mutation(node):
+        if node in self.device_mutations:
             new = registry.trace_call("copy", [args[0], args[1]], {})
             mutations.append(new)
             return new
@@ -429,26 +480,45 @@ class _GraphProgram:
             raise type(e)(f"torch.compile(backend='tpu'): lowering aten::{op} failed in {self.name} at node "
                           f"{node.name} (inputs {_describe(node)}): {e}") from e
 
+    def _run_host(self, args: list) -> dict[torch.fx.Node, Any]:
+        env: dict[torch.fx.Node, Any] = {}
+        for node in self.host:
+            if node.op == "placeholder":
+                env[node] = args[self.placeholder_pos[node]]
+            else:
+                a = torch.fx.node.map_arg(node.args, env.__getitem__)
+                kw = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+                env[node] = node.target(*a, **kw)
+        return env
+
     # -- the call --
     def boxed(self) -> Callable[[list], Any]:
         tensor_idx, static_idx, mutated = self.tensor_idx, self.static_idx, self.mutated
         constants, index, jitted, out_spec = self.constants, self.index, self.jitted, self.out_spec
         out_tuple, out_values = self.out_tuple, self.out_values
+        host, host_feeds, host_mutations = self.host, self.host_feeds, self.host_mutations
 
         def call(args: list) -> Any:
             statics = tuple(args[i] for i in static_idx)
             arrays = [_read_input(args[i], index) for i in tensor_idx]
+            henv = self._run_host(args) if host else None
+            if host_feeds:
+                arrays += [_read_input(henv[n], index) for n in host_feeds]
             if self.dump_dir is not None and statics not in self.dumped:
                 self._dump(statics, arrays)
             if statics not in out_values:
                 counters["tpu"]["xla_programs"] += 1
             outs, muts = jitted(statics, *arrays, *constants)
+            for i, node in host_mutations:
+                args[i].copy_(henv[node])
             for i, m in zip(mutated, muts):
                 _write_mutation(args[i], m)
             results = []
             for spec in out_spec:
                 kind = spec[0]
-                if kind == "array":
+                if kind == "array" and spec[3]:
+                    results.append(_runtime.download(outs[spec[1]]))
+                elif kind == "array":
                     t = _wrap_output(outs[spec[1]], index)
                     plan = spec[2]
                     if plan is not None:  # back to the logical order, with the expected strides
@@ -456,6 +526,8 @@ class _GraphProgram:
                     results.append(t)
                 elif kind == "input":
                     results.append(args[spec[1]])
+                elif kind == "host":
+                    results.append(henv[spec[1]])
                 elif kind == "value":
                     results.append(out_values[statics][spec[1]])
                 else:
