@@ -19,8 +19,8 @@ from typing import Any, Sequence
 import torch
 
 from torch_tpu import _runtime
-from torch_tpu._jax import jnp, lax
-from torch_tpu.kernels.registry import lower
+from torch_tpu._jax import jax, jnp, lax
+from torch_tpu.kernels.registry import lower, next_trace_key
 
 _T = dict(trace_only=True, variants=False)
 
@@ -315,3 +315,40 @@ def arange(end: Any = None, start: Any = 0, step: Any = 1, dtype: torch.dtype | 
 def embedding(weight: Any, indices: Any, padding_idx: int = -1, scale_grad_by_freq: bool = False,
               sparse: bool = False) -> Any:
     return jnp.take(weight, indices, axis=0)
+
+
+# ---- random values inside traced programs (eagerly: the random fills in creation.py) ----
+# The executor supplies a fresh key per program call from the tpu generator (registry.trace_random).
+
+def _float(dtype: torch.dtype | None, like: Any = None) -> Any:
+    jd = _dtype(dtype, like=like, value=0.0)
+    return jd, (jd if jd in (jnp.float32, jnp.float64) else jnp.float32)
+
+
+@lower("rand_like", **_T)
+def rand_like(self: Any, dtype: torch.dtype | None = None, layout: Any = None, device: Any = None,
+              pin_memory: Any = None, memory_format: Any = None) -> Any:
+    jd, sd = _float(dtype, self)
+    return jax.random.uniform(next_trace_key(), self.shape, sd).astype(jd)
+
+
+@lower("randn_like", **_T)
+def randn_like(self: Any, dtype: torch.dtype | None = None, layout: Any = None, device: Any = None,
+               pin_memory: Any = None, memory_format: Any = None) -> Any:
+    jd, sd = _float(dtype, self)
+    return jax.random.normal(next_trace_key(), self.shape, sd).astype(jd)
+
+
+@lower("rand", **_T)
+def rand(size: Sequence[int], dtype: torch.dtype | None = None, layout: Any = None, device: Any = None,
+         pin_memory: Any = None) -> Any:
+    jd, sd = _float(dtype)
+    return jax.random.uniform(next_trace_key(), tuple(size), sd).astype(jd)
+
+
+@lower("randn", **_T)
+def randn(size: Sequence[int], dtype: torch.dtype | None = None, layout: Any = None, device: Any = None,
+          pin_memory: Any = None) -> Any:
+    jd, sd = _float(dtype)
+    return jax.random.normal(next_trace_key(), tuple(size), sd).astype(jd)
+

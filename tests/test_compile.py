@@ -205,3 +205,21 @@ def test_backend_is_listed_and_cpu_graphs_still_use_inductor() -> None:
         " dict(counters['tpu']))\n", timeout=600)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "{}"], r.stdout
+
+
+def test_dropout_in_a_compiled_graph_follows_the_seed() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.3)).tpu()
+    fn = torch.compile(model, backend="tpu")
+    x = torch.randn(32, 64, device="tpu")
+    torch.manual_seed(1)
+    a = fn(x)
+    torch.manual_seed(1)
+    b = fn(x)
+    c = fn(x)
+    assert torch.equal(a.cpu(), b.cpu()) and not torch.equal(a.cpu(), c.cpu())
+    kept = a != 0
+    assert 0.2 < 1 - kept.float().mean().item() < 0.4
+    torch.testing.assert_close(a[kept].cpu(), (model[0](x) / 0.7)[kept].detach().cpu(), rtol=1e-5, atol=1e-5)
+    a.sum().backward()
+    assert model[0].weight.grad is not None

@@ -41,7 +41,7 @@ import torch.fx
 from torch._dynamo.device_interface import DeviceInterface, register_interface_for_device
 from torch._dynamo.utils import counters
 
-from torch_tpu import _C, _runtime, _storage
+from torch_tpu import _C, _runtime, _storage, device_module
 from torch_tpu._jax import jax
 from torch_tpu.kernels import registry
 
@@ -426,11 +426,23 @@ class _GraphProgram:
                 self.out_spec.append(("value", j))
                 j += 1
         self.out_values: dict[tuple, list[Any]] = {}  # static key -> the non-tensor outputs
+        # Random ops (dropout...): each call draws a (seed, offset) from the device's tpu generator, as eager does.
+        self.random = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                          and torch.Tag.nondeterministic_seeded in n.target.tags for n in self.nodes)
         self.jitted = jax.jit(self._run, static_argnums=0)
         self.dumped: set[tuple] = set()
 
     # -- the traced function: the FX interpreter over JAX values --
     def _run(self, statics: tuple, *arrays: Any) -> tuple[tuple, tuple]:
+        if not self.random:
+            return self._interpret(statics, arrays)
+        seed, offset = arrays[-2:]
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), (offset & 0xFFFFFFFF).astype("uint32")),
+                                 (offset >> 32).astype("uint32"))
+        with registry.trace_random(key):
+            return self._interpret(statics, arrays[:-2])
+
+    def _interpret(self, statics: tuple, arrays: tuple) -> tuple[tuple, tuple]:
         env: dict[torch.fx.Node, Any] = {}
         n_in, n_host = len(self.tensor_idx), len(self.host_feeds)
         inputs = dict(zip(self.tensor_idx, arrays[:n_in]))
@@ -504,6 +516,9 @@ class _GraphProgram:
             henv = self._run_host(args) if host else None
             if host_feeds:
                 arrays += [_read_input(henv[n], index) for n in host_feeds]
+            if self.random:
+                seed, offset = _C._philox_step(device_module.default_generators[index], 1)
+                arrays += [np.uint64(seed), np.uint64(offset)]
             if self.dump_dir is not None and statics not in self.dumped:
                 self._dump(statics, arrays)
             if statics not in out_values:
