@@ -223,3 +223,15 @@ def test_dropout_in_a_compiled_graph_follows_the_seed() -> None:
     torch.testing.assert_close(a[kept].cpu(), (model[0](x) / 0.7)[kept].detach().cpu(), rtol=1e-5, atol=1e-5)
     a.sum().backward()
     assert model[0].weight.grad is not None
+
+
+def test_graphs_run_on_their_inputs_device() -> None:
+    r = run_python(
+        "import torch\n"
+        "x = torch.randn(4, device='tpu:1')\n"
+        "out = torch.compile(lambda x: x.sin() + 1, backend='tpu')(x)\n"
+        "made = torch.compile(lambda: torch.ones(3, device='tpu:1') * 2, backend='tpu')()\n"
+        "assert torch.allclose(out.cpu(), x.cpu().sin() + 1)\n"
+        "print(out.device, made.device, made.cpu().tolist())\n", env={"TORCH_TPU_NUM_DEVICES": "2"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["tpu:1", "tpu:1", "[2.0,", "2.0,", "2.0]"], r.stdout

@@ -259,7 +259,8 @@ def _check_lowerings(gm: torch.fx.GraphModule, name: str) -> list[str]:
                 problems.append(f"{target.namespace}::{op} (node {node.name}; inputs {_describe(node)})")
             elif target in (aten.as_strided.default, aten.as_strided_copy.default):
                 src = node.args[0].meta.get("val")
-                if isinstance(src, torch.Tensor) and not (src.is_contiguous() and src.storage_offset() == 0):
+                if (isinstance(src, torch.Tensor) and not _symbolic(src)
+                        and not (src.is_contiguous() and src.storage_offset() == 0)):
                     problems.append(f"aten::{op} of a non-contiguous input (node {node.name}; inputs "
                                     f"{_describe(node)})")
         elif isinstance(target, torch._ops.OperatorBase):
@@ -268,15 +269,16 @@ def _check_lowerings(gm: torch.fx.GraphModule, name: str) -> list[str]:
     return problems
 
 
+def _symbolic(val: torch.Tensor) -> bool:
+    return any(isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride(), val.storage_offset()))
+
+
 def _stride_plan(val: Any) -> tuple[int, ...] | None:
     """For an output expected with a dense, permuted layout: the dims in memory order (outermost first)."""
-    if not isinstance(val, torch.Tensor) or val.dim() < 2:
-        return None
-    try:
-        sizes, strides = [int(s) for s in val.shape], [int(s) for s in val.stride()]
-        offset = int(val.storage_offset())
-    except (TypeError, RuntimeError):  # symbolic sizes: contiguous
-        return None
+    if not isinstance(val, torch.Tensor) or val.dim() < 2 or _symbolic(val):
+        return None  # symbolic sizes: returned contiguous (reading them would specialize the graph)
+    sizes, strides = [int(s) for s in val.shape], [int(s) for s in val.stride()]
+    offset = int(val.storage_offset())
     if offset != 0 or math.prod(sizes) <= 1:
         return None
     order = tuple(sorted(range(len(sizes)), key=lambda d: (-strides[d], d)))
@@ -364,8 +366,10 @@ class _GraphProgram:
                     host[node] = None
             else:
                 self.static_idx.append(i)
-        if self.index < 0:
-            self.index = _C._current_device()
+        if self.index < 0:  # no tpu inputs: the device the graph creates its tensors on
+            devices = [v.device for n in self.nodes for v in [n.meta.get("val")]
+                       if isinstance(v, torch.Tensor) and v.device.type == "tpu"]
+            self.index = (devices[0].index or 0) if devices else _C._current_device()
         # Host-computable nodes (CPU values from CPU inputs alone); only those that CPU inputs' updates need run
         # on the host (op by op costs more than in the program).
         computable = dict(host)
@@ -429,7 +433,11 @@ class _GraphProgram:
         # Random ops (dropout...): each call draws a (seed, offset) from the device's tpu generator, as eager does.
         self.random = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
                           and torch.Tag.nondeterministic_seeded in n.target.tags for n in self.nodes)
-        self.jitted = jax.jit(self._run, static_argnums=0)
+        if self.tensor_idx:  # the program runs where its inputs are
+            self.jitted = jax.jit(self._run, static_argnums=0)
+        else:  # nothing to follow: place the outputs on the graph's device
+            self.jitted = jax.jit(self._run, static_argnums=0,
+                                  out_shardings=jax.sharding.SingleDeviceSharding(_runtime.device(self.index)))
         self.dumped: set[tuple] = set()
 
     # -- the traced function: the FX interpreter over JAX values --
