@@ -53,6 +53,12 @@ __all__ = ["tpu_backend", "decompositions", "TpuInterface"]
 # =====================================================================================================================
 # ---- the boundary with tensors: the only place this module reads, writes or creates tpu tensors ----
 
+def _read_inputs(ts: Sequence[torch.Tensor]) -> list[Any]:
+    """The device arrays of tpu tensor inputs (the per-call path: no checks here)."""
+    read = _storage.read
+    return [read(t) for t in ts]
+
+
 def _read_input(t: torch.Tensor, index: int) -> Any:
     """The device array of a graph input; a CPU tensor (e.g. a step count) becomes a private numpy copy that the
     jitted call moves to the device (cheaper than a device_put of its own)."""
@@ -266,6 +272,11 @@ def _check_lowerings(gm: torch.fx.GraphModule, name: str) -> list[str]:
         elif isinstance(target, torch._ops.OperatorBase):
             problems.append(f"{target} (node {node.name}; inputs {_describe(node)})")
         # Anything else (operator.getitem, SymInt arithmetic, math.*) runs as Python at trace time.
+    devices = sorted({str(v.device) for n in gm.graph.nodes for v in [n.meta.get("val")]
+                      if isinstance(v, torch.Tensor) and v.device.type == "tpu"})
+    if len(devices) > 1:  # one XLA program runs on one device
+        problems.append(f"tensors on several devices in one graph ({', '.join(devices)}): move the .to() between "
+                        "devices out of the compiled function")
     return problems
 
 
@@ -310,11 +321,11 @@ def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
         listing = "\n  ".join(problems)
         if opts.get("fallback") == "eager":
             warnings.warn(f"torch.compile(backend='tpu'): {name} runs op by op in tpu eager (fallback='eager') "
-                          f"because these ops have no tpu lowering:\n  {listing}")
+                          f"because it cannot become one XLA program:\n  {listing}")
             counters["tpu"]["eager_fallback_graphs"] += 1
             return _boxed(lambda args: gm(*args))
         raise NotImplementedError(
-            f"torch.compile(backend='tpu'): the {name} aten graph has ops without a tpu lowering:\n  {listing}\n"
+            f"torch.compile(backend='tpu'): the {name} aten graph cannot become one XLA program:\n  {listing}\n"
             "Ways out: add a lowering in kernels/ (docs/adding_kernels.md); or move that code out of the compiled "
             "region (torch._dynamo.disable or torch.compiler.disable); or set TORCH_TPU_COMPILE_FALLBACK=eager "
             "(or options={'fallback': 'eager'}) to run such graphs op by op in tpu eager.")
@@ -520,7 +531,7 @@ class _GraphProgram:
 
         def call(args: list) -> Any:
             statics = tuple(args[i] for i in static_idx)
-            arrays = [_read_input(args[i], index) for i in tensor_idx]
+            arrays = _read_inputs([args[i] for i in tensor_idx])
             henv = self._run_host(args) if host else None
             if host_feeds:
                 arrays += [_read_input(henv[n], index) for n in host_feeds]
