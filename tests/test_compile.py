@@ -103,17 +103,21 @@ def test_inference_mutation_and_buffers_match_cpu() -> None:
     assert counters["tpu"]["xla_programs"] == 1
 
 
-def test_outputs_alias_inputs_and_keep_strides() -> None:
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_outputs_alias_inputs_and_keep_strides(grad: bool) -> None:
     def f(x, y):
         return x, x.t(), y.view(-1), (x @ y).t()
 
-    x, y = torch.randn(3, 4, device="tpu"), torch.randn(4, 5, device="tpu")
+    x, y = torch.randn(3, 4, device="tpu"), torch.randn(4, 5, device="tpu", requires_grad=grad)
     a, b, c, d = torch.compile(f, backend="tpu")(x, y)
     ea, eb, ec, ed = f(x, y)
     assert a is x
     for got, want in ((b, eb), (c, ec), (d, ed)):
         assert got.device.type == "tpu" and got.shape == want.shape and got.stride() == want.stride()
-        torch.testing.assert_close(got.cpu(), want.cpu())
+        torch.testing.assert_close(got.detach().cpu(), want.detach().cpu())
+    if grad:
+        d.sum().backward()
+        torch.testing.assert_close(y.grad.cpu(), x.cpu().sum(0)[:, None].expand(4, 5))
 
 
 def test_graph_break_falls_back_to_eager() -> None:

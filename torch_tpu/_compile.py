@@ -330,7 +330,15 @@ def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
             "region (torch._dynamo.disable or torch.compiler.disable); or set TORCH_TPU_COMPILE_FALLBACK=eager "
             "(or options={'fallback': 'eager'}) to run such graphs op by op in tpu eager.")
 
-    return _GraphProgram(gm, example_inputs, name, dump_dir).boxed()
+    # Forward graphs return the user's outputs, then activations saved for the backward graph: those are read back
+    # by value, so only the user's outputs get their expected strides (a permuted output costs a transpose here and
+    # another read in the backward).
+    n_user = None
+    if name.endswith("_forward"):
+        tc = torch._guards.TracingContext.try_get()
+        meta = getattr(tc, "fw_metadata", None)
+        n_user = getattr(meta, "num_forward", None)
+    return _GraphProgram(gm, example_inputs, name, dump_dir, n_user).boxed()
 
 
 def _boxed(fn: Callable[[list], Any]) -> Callable[[list], Any]:
@@ -356,7 +364,7 @@ class _GraphProgram:
     input updated from host values is then updated on the host, with no wait for the device."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str,
-                 dump_dir: Path | None) -> None:
+                 dump_dir: Path | None, n_user_outputs: int | None = None) -> None:
         self.gm = gm
         self.name = name
         self.dump_dir = dump_dir
@@ -426,7 +434,8 @@ class _GraphProgram:
         self.out_tuple = isinstance(outs, (tuple, list))
         self.out_spec: list[tuple] = []
         k = j = 0
-        for o in (outs if self.out_tuple else (outs,)):
+        for pos, o in enumerate(outs if self.out_tuple else (outs,)):
+            saved = n_user_outputs is not None and pos >= n_user_outputs
             if o is None:
                 self.out_spec.append(("none",))
             elif isinstance(o, torch.fx.Node) and o.op == "placeholder":
@@ -435,7 +444,8 @@ class _GraphProgram:
                 self.out_spec.append(("host", o))
             elif isinstance(o, torch.fx.Node) and isinstance(o.meta.get("val"), torch.Tensor):
                 cpu = o.meta["val"].device.type == "cpu"  # a CPU value computed in the program: sent back
-                self.out_spec.append(("array", k, None if cpu else _stride_plan(o.meta["val"]), cpu))
+                plan = None if cpu or saved else _stride_plan(o.meta["val"])
+                self.out_spec.append(("array", k, plan, cpu))
                 k += 1
             else:
                 self.out_spec.append(("value", j))
