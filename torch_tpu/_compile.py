@@ -12,8 +12,10 @@ cache applies to them.
   arguments: the Dynamo/AOT graph is reused and XLA compiles one program per distinct concrete size (no padding).
 - Mutation: functionalized graphs end with `copy_(input, new_value)` for mutated inputs (optimizer state, batch
   norm running stats in inference graphs); the program returns the new values and they are written back into the
-  inputs' storages. Outputs that are graph inputs are returned as the same tensors (aliasing kept); outputs whose
-  expected strides are a permutation of a dense layout get those strides.
+  inputs' storages. Outputs that are graph inputs are returned as the same tensors (aliasing kept); user outputs
+  whose expected strides are a permutation of a dense layout get those strides.
+- CPU tensors in a graph (a non-capturable optimizer's step counts) stay on the host where they can; random ops
+  (dropout) draw a fresh key per call from the tpu generator.
 - Missing lowerings: compiling a graph with an aten op that has no traceable lowering raises NotImplementedError
   naming the op, its input shapes/dtypes and the ways out. With `TORCH_TPU_COMPILE_FALLBACK=eager` (or
   `options={"fallback": "eager"}`) such a graph instead runs op by op in tpu eager, with a warning.
@@ -76,12 +78,22 @@ def _write_mutation(t: torch.Tensor, value: Any) -> None:
     if t.device.type == "tpu":
         _storage.write(t, value)
     else:
-        t.copy_(_runtime.download(value))
+        t.copy_(_cpu_output(value))
 
 
 def _wrap_output(value: Any, index: int) -> torch.Tensor:
     """A new tpu tensor owning the program's output array."""
     return registry.wrap_arrays(value, index)
+
+
+def _cpu_output(value: Any) -> torch.Tensor:
+    """A CPU tensor for a program output the graph expects on the host (waits for it)."""
+    return _runtime.download(value)
+
+
+def _write_host_mutation(t: torch.Tensor, value: torch.Tensor) -> None:
+    """A CPU input updated from values computed on the host."""
+    t.copy_(value)
 
 
 # =====================================================================================================================
@@ -554,14 +566,14 @@ class _GraphProgram:
                 counters["tpu"]["xla_programs"] += 1
             outs, muts = jitted(statics, *arrays, *constants)
             for i, node in host_mutations:
-                args[i].copy_(henv[node])
+                _write_host_mutation(args[i], henv[node])
             for i, m in zip(mutated, muts):
                 _write_mutation(args[i], m)
             results = []
             for spec in out_spec:
                 kind = spec[0]
                 if kind == "array" and spec[3]:
-                    results.append(_runtime.download(outs[spec[1]]))
+                    results.append(_cpu_output(outs[spec[1]]))
                 elif kind == "array":
                     t = _wrap_output(outs[spec[1]], index)
                     plan = spec[2]
