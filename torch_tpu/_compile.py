@@ -219,9 +219,14 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwarg
 
         return compile_graph
 
+    from functorch.compile import min_cut_rematerialization_partition
+
+    # The min-cut partitioner saves fewer activations for the backward and recomputes cheap elementwise ops there
+    # instead: XLA fuses the recomputation, and every saved tensor is one more program output and input.
     backend = aot_autograd(
         fw_compiler=compiler("forward"), bw_compiler=compiler("backward"), inference_compiler=compiler("inference"),
         decompositions=decompositions(), keep_inference_input_mutations=True,
+        partition_fn=min_cut_rematerialization_partition,
     )
     return backend(gm, example_inputs)
 
