@@ -239,3 +239,17 @@ def test_graphs_run_on_their_inputs_device() -> None:
         "print(out.device, made.device, made.cpu().tolist())\n", env={"TORCH_TPU_NUM_DEVICES": "2"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["tpu:1", "tpu:1", "[2.0,", "2.0,", "2.0]"], r.stdout
+
+
+def test_integer_indexing_and_index_put_on_an_input() -> None:
+    def f(x, i, v):
+        y = x[i] * 2 + x[:, i[:2]].sum()
+        x[i] = v  # index_put into an input: a mutation
+        return y
+
+    x, i, v = torch.randn(6, 5), torch.tensor([0, 2, 5]), torch.randn(3, 5)
+    xt = x.tpu()
+    out = torch.compile(f, backend="tpu")(xt, i.tpu(), v.tpu())
+    want = f(x, i, v)
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xt.cpu(), x)

@@ -535,8 +535,13 @@ class _GraphProgram:
         try:
             return registry.trace_call(op, args, kwargs)
         except Exception as e:
-            raise type(e)(f"torch.compile(backend='tpu'): lowering aten::{op} failed in {self.name} at node "
-                          f"{node.name} (inputs {_describe(node)}): {e}") from e
+            msg = (f"torch.compile(backend='tpu'): lowering aten::{op} failed in {self.name} at node {node.name} "
+                   f"(inputs {_describe(node)}): {type(e).__name__}: {e}")
+            try:
+                err = type(e)(msg)
+            except Exception:  # exception types with other constructors (JAX's tracer errors)
+                err = RuntimeError(msg)
+            raise err from e
 
     def _run_host(self, args: list) -> dict[torch.fx.Node, Any]:
         env: dict[torch.fx.Node, Any] = {}
