@@ -378,8 +378,166 @@ def bench_all_reduce(ranks: int = 2) -> None:
             print("  all_reduce: a rank did not finish within 600 s")
 
 
+def _jax_adamw(lr: float, wd: float, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8):
+    """torch.optim.AdamW's update, in JAX."""
+    import jax
+    import jax.numpy as jnp
+
+    def update(params, state, grads):
+        m, v, t = state
+        t = t + 1
+        m = jax.tree.map(lambda a, g: b1 * a + (1 - b1) * g, m, grads)
+        v = jax.tree.map(lambda a, g: b2 * a + (1 - b2) * g * g, v, grads)
+        step_size = lr / (1 - b1 ** t)
+        bc2 = jnp.sqrt(1 - b2 ** t)
+
+        def one(p, a, b):
+            p = p * (1 - lr * wd)
+            return p - step_size * a / (jnp.sqrt(b) / bc2 + eps)
+
+        return jax.tree.map(one, params, m, v), (m, v, t)
+
+    def init(params):
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        return zeros, jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32)
+
+    return init, update
+
+
+def _jax_loss(name: str):
+    """The MLP or GPT example's forward and cross-entropy written directly in JAX (params: the torch model's
+    state_dict as arrays)."""
+    import jax
+    import jax.numpy as jnp
+
+    def linear(p, prefix, x, bias=True):
+        y = x @ p[prefix + ".weight"].T
+        return y + p[prefix + ".bias"] if bias else y
+
+    def xent(logits, y):
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=-1))
+
+    def layer_norm(p, prefix, x):
+        mu = x.mean(-1, keepdims=True)
+        var = ((x - mu) ** 2).mean(-1, keepdims=True)
+        return (x - mu) / jnp.sqrt(var + 1e-5) * p[prefix + ".weight"] + p[prefix + ".bias"]
+
+    def gelu(x):
+        return jax.nn.gelu(x, approximate=False)
+
+    if name == "mlp":
+        def loss(p, x, y):
+            h = jax.nn.relu(linear(p, "0", x))
+            h = gelu(linear(p, "2", h))
+            return xent(linear(p, "4", h), y)
+        return loss
+
+    def loss(p, idx, targets, heads=4, layers=2):
+        b, t = idx.shape
+        x = p["tok.weight"][idx] + p["pos.weight"][jnp.arange(t)]
+        c = x.shape[-1]
+        mask = jnp.tril(jnp.ones((t, t), bool))
+        for i in range(layers):
+            pre = f"blocks.{i}."
+            q, k, v = jnp.split(linear(p, pre + "qkv", layer_norm(p, pre + "ln1", x)), 3, axis=-1)
+            q, k, v = (z.reshape(b, t, heads, c // heads).transpose(0, 2, 1, 3) for z in (q, k, v))
+            att = jnp.where(mask, q @ k.transpose(0, 1, 3, 2) / jnp.sqrt(c // heads), -jnp.inf)
+            att = jax.nn.softmax(att, axis=-1) @ v
+            x = x + linear(p, pre + "proj", att.transpose(0, 2, 1, 3).reshape(b, t, c))
+            h = gelu(linear(p, pre + "mlp.0", layer_norm(p, pre + "ln2", x)))
+            x = x + linear(p, pre + "mlp.2", h)
+        logits = linear(p, "head", layer_norm(p, "ln", x), bias=False)
+        return xent(logits.reshape(b * t, -1), targets.reshape(-1))
+
+    return loss
+
+
+def bench_compile() -> None:
+    """Training steps per second of the MLP and GPT examples: torch.compile(backend="tpu") (model and optimizer
+    step compiled) vs tpu eager, and vs the same model and AdamW written directly in JAX with the whole step in one
+    jax.jit (the floor; target compiled/JAX within 1.15x). Steps after warm-up, waited for at the end."""
+    import importlib.util
+    from pathlib import Path
+
+    import jax
+    import jax.numpy as jnp
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    sys.path.insert(0, str(examples))
+    print(f"compile  platform={torch.tpu.get_device_name()}  (steps/s after warm-up; AdamW; median of 5 trials)")
+    for name in ("mlp", "gpt"):
+        spec = importlib.util.spec_from_file_location(f"example_{name}", examples / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+        steps: dict[str, Callable[[], object]] = {}
+        for mode in ("eager", "compiled"):
+            model, batches, loss_fn = mod.build(0)
+            model = model.to("tpu")
+            opt = mod.optimizer(model)
+            x, y = (t.to("tpu") for t in next(batches))
+
+            def forward_loss(x, y, model=model, loss_fn=loss_fn):
+                return loss_fn(model(x), y)
+
+            # Compiled: the model with its loss (one forward and one backward graph) and the optimizer step.
+            fwd = torch.compile(forward_loss, backend="tpu") if mode == "compiled" else forward_loss
+            opt_step = torch.compile(opt.step, backend="tpu") if mode == "compiled" else opt.step
+
+            def step(fwd=fwd, opt=opt, opt_step=opt_step, x=x, y=y) -> None:
+                opt.zero_grad()
+                fwd(x, y).backward()
+                opt_step()
+
+            steps[mode] = step
+        # The floor: the same model and data in JAX, forward + backward + AdamW in one jit.
+        model, batches, _ = mod.build(0)
+        group = mod.optimizer(model).param_groups[0]
+        params = {k: jnp.asarray(v.detach().numpy()) for k, v in model.named_parameters()}
+        x, y = (jnp.asarray(t.numpy()) for t in next(batches))
+        init, update = _jax_adamw(group["lr"], group["weight_decay"])
+        loss = _jax_loss(name)
+
+        @jax.jit
+        def jax_step(params, state, x, y):
+            value, grads = jax.value_and_grad(loss)(params, x, y)
+            params, state = update(params, state, grads)
+            return params, state, value
+
+        carry = [params, init(params)]
+
+        def floor() -> None:
+            carry[0], carry[1], _ = jax_step(carry[0], carry[1], x, y)
+
+        steps["jax"] = floor
+
+        def sync() -> None:
+            torch.tpu.synchronize()
+            jax.block_until_ready(carry)
+
+        for fn in steps.values():
+            for _ in range(5):
+                fn()
+        sync()
+        n = 30 if name == "mlp" else 20
+        samples: dict[str, list[float]] = {k: [] for k in steps}
+        for _ in range(5):
+            for k, fn in steps.items():
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                sync()
+                samples[k].append(n / (time.perf_counter() - t0))
+        r = {k: statistics.median(v) for k, v in samples.items()}
+        print(f"  {name:<4} compiled {r['compiled']:7.1f} steps/s  eager {r['eager']:7.1f} steps/s"
+              f"  jax.jit {r['jax']:7.1f} steps/s  -> compiled/eager {r['compiled'] / r['eager']:.2f}x,"
+              f" jax/compiled {r['jax'] / r['compiled']:.2f}x (target <= 1.15x)")
+
+
 BENCHMARKS = {"eager_overhead": bench_eager_overhead, "op_overhead": bench_op_overhead, "training": bench_training,
-              "fuse": bench_fuse, "cold_start": bench_cold_start, "all_reduce": bench_all_reduce}
+              "fuse": bench_fuse, "cold_start": bench_cold_start, "compile": bench_compile,
+              "all_reduce": bench_all_reduce}
 
 
 def main(argv: list[str]) -> int:

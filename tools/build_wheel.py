@@ -84,7 +84,12 @@ def main() -> None:
     ).encode()
     # Loaded automatically by `import torch` (torch.backends entry point), unless
     # TORCH_DEVICE_BACKEND_AUTOLOAD=0.
-    files[f"{dist_info}/entry_points.txt"] = b"[torch.backends]\ntorch_tpu = torch_tpu:_autoload\n"
+    # torch.compile(backend="tpu"): Dynamo finds the backend in the torch_dynamo_backends group and imports it
+    # only then.
+    files[f"{dist_info}/entry_points.txt"] = (
+        b"[torch.backends]\ntorch_tpu = torch_tpu:_autoload\n\n"
+        b"[torch_dynamo_backends]\ntpu = torch_tpu._compile:tpu_backend\n"
+    )
     files[f"{dist_info}/top_level.txt"] = f"{NAME}\n".encode()
 
     record_lines = []

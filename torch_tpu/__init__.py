@@ -38,6 +38,10 @@ def _setup() -> None:
     kernels.install()
     _C._set_pending_type(_deferred.Pending)  # DEFER_AND_FUSE placeholders, resolved by the C++ accessors
     _deferred.mode_from_env()
+    # torch.compile: Dynamo must run the Python kernels above as plain Python, never trace them.
+    from torch_tpu import _dynamo_skip
+
+    _dynamo_skip.skip_kernels()
     # TPUs compute in bfloat16 natively: torch.autocast("tpu") defaults to it (runtime/TpuAutocast.cpp has the
     # per-op policy).
     torch.set_autocast_dtype("tpu", torch.bfloat16)

@@ -1,0 +1,615 @@
+"""`torch.compile(model, backend="tpu")`: each aten graph becomes one jitted XLA program.
+
+Dynamo captures the Python code; AOTAutograd (with `decompositions()`) turns each captured graph into functional
+aten graphs, one for the forward and one for the backward (or one inference graph). Each aten graph is lowered here
+into a single `jax.jit` program: an FX interpreter calls the kernel registry's lowering of every node on JAX
+tracers (`registry.trace_call`, the same table the eager kernels use; views and composites are trace-only
+lowerings in kernels/views.py). Jitted programs go through JAX's compilation cache, so the persistent compile
+cache applies to them.
+
+- Shapes: every XLA program has static shapes. When Dynamo hands over symbolic sizes (`dynamic=True`,
+  `mark_dynamic`, or its automatic dynamic shapes after a size changed) they enter the program as static
+  arguments: the Dynamo/AOT graph is reused and XLA compiles one program per distinct concrete size (no padding).
+- Mutation: functionalized graphs end with `copy_(input, new_value)` for mutated inputs (optimizer state, batch
+  norm running stats in inference graphs); the program returns the new values and they are written back into the
+  inputs' storages. Outputs that are graph inputs are returned as the same tensors (aliasing kept); user outputs
+  whose expected strides are a permutation of a dense layout get those strides.
+- CPU tensors in a graph (a non-capturable optimizer's step counts) stay on the host where they can; random ops
+  (dropout) draw a fresh key per call from the tpu generator.
+- Missing lowerings: compiling a graph with an aten op that has no traceable lowering raises NotImplementedError
+  naming the op, its input shapes/dtypes and the ways out. With `TORCH_TPU_COMPILE_FALLBACK=eager` (or
+  `options={"fallback": "eager"}`) such a graph instead runs op by op in tpu eager, with a warning.
+- Inspecting: `TORCH_TPU_DUMP_DIR=dir` (or `options={"dump_dir": dir}`) writes each aten graph
+  (`<graph>.fx.txt`) and each XLA program it became (`<graph>.stablehlo.mlir`).
+
+This module imports torch._dynamo, so it is loaded only when Dynamo looks the backend up (the
+`torch_dynamo_backends` entry point), never at `import torch`.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import operator
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.fx
+from torch._dynamo.device_interface import DeviceInterface, register_interface_for_device
+from torch._dynamo.utils import counters
+
+from torch_tpu import _C, _deferred, _runtime, _storage, device_module
+from torch_tpu._jax import jax
+from torch_tpu.kernels import registry
+
+aten = torch.ops.aten
+
+__all__ = ["tpu_backend", "decompositions", "TpuInterface"]
+
+
+# =====================================================================================================================
+# ---- the boundary with tensors: the only place this module reads, writes or creates tpu tensors ----
+
+def _read_inputs(ts: Sequence[torch.Tensor]) -> list[Any]:
+    """The device arrays of tpu tensor inputs (the per-call path: no checks here). Under DEFER_AND_FUSE a
+    compiled program is its own XLA program: values still pending are computed first."""
+    read = _storage.read
+    arrays = [read(t) for t in ts]
+    if _deferred.fusing:
+        arrays = [_deferred.concrete(a, "compiled_graph") for a in arrays]
+    return arrays
+
+
+def _read_input(t: torch.Tensor, index: int) -> Any:
+    """The device array of a graph input; a CPU tensor (e.g. a step count) becomes a private numpy copy that the
+    jitted call moves to the device (cheaper than a device_put of its own)."""
+    if t.device.type == "tpu":
+        return _deferred.concrete(_storage.read(t), "compiled_graph")
+    try:
+        return np.array(t.detach().numpy(), copy=True)
+    except (TypeError, RuntimeError):  # dtypes numpy lacks (bfloat16...), conjugate or negative views
+        return np.array(_runtime.host_to_numpy(t), copy=True)
+
+
+def _write_mutation(t: torch.Tensor, value: Any) -> None:
+    """Writes the new value of a mutated graph input into its storage (a CPU input, like a non-capturable
+    optimizer's step count, is copied back to the host)."""
+    if t.device.type == "tpu":
+        _storage.write(t, value)
+    else:
+        t.copy_(_cpu_output(value))
+
+
+def _wrap_output(value: Any, index: int) -> torch.Tensor:
+    """A new tpu tensor owning the program's output array."""
+    return registry.wrap_arrays(value, index)
+
+
+def _cpu_output(value: Any) -> torch.Tensor:
+    """A CPU tensor for a program output the graph expects on the host (waits for it)."""
+    return _runtime.download(value)
+
+
+def _write_host_mutation(t: torch.Tensor, value: torch.Tensor) -> None:
+    """A CPU input updated from values computed on the host."""
+    t.copy_(value)
+
+
+# =====================================================================================================================
+# ---- registration ----
+
+class TpuInterface(DeviceInterface):
+    """Dynamo's view of the tpu device runtime (device index, count, synchronize)."""
+
+    class Event:  # XLA orders work per device; events are not needed by the tpu backend
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise NotImplementedError("tpu events are not supported")
+
+    class Stream:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise NotImplementedError("tpu streams are not supported")
+
+    class Worker:
+        @staticmethod
+        def set_device(device: int) -> None:
+            torch.tpu.set_device(device)
+
+        @staticmethod
+        def current_device() -> int:
+            return torch.tpu.current_device()
+
+        @staticmethod
+        def get_device_properties(device: Any = None) -> Any:
+            return torch.tpu.get_device_properties(device)
+
+    @staticmethod
+    def current_device() -> int:
+        return torch.tpu.current_device()
+
+    @staticmethod
+    def set_device(device: Any) -> None:
+        torch.tpu.set_device(device)
+
+    @staticmethod
+    def maybe_exchange_device(device: int) -> int:
+        prev = torch.tpu.current_device()
+        if device != prev:
+            torch.tpu.set_device(device)
+        return prev
+
+    @staticmethod
+    def exchange_device(device: int) -> int:
+        return TpuInterface.maybe_exchange_device(device)
+
+    @staticmethod
+    def device_count() -> int:
+        return torch.tpu.device_count()
+
+    @staticmethod
+    def is_available() -> bool:
+        return torch.tpu.is_available()
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        torch.tpu.synchronize(device)
+
+    @classmethod
+    def get_device_properties(cls, device: Any = None) -> Any:
+        return torch.tpu.get_device_properties(device)
+
+    @staticmethod
+    def get_compute_capability(device: Any = None) -> str:
+        return ""
+
+    @staticmethod
+    def is_bf16_supported(including_emulation: bool = False) -> bool:
+        return True
+
+    @staticmethod
+    def memory_allocated(device: Any = None) -> int:
+        return torch.tpu.memory_allocated(device)
+
+    @staticmethod
+    def is_triton_capable(device: Any = None) -> bool:
+        return False
+
+
+def _register() -> None:
+    from torch._dynamo import trace_rules
+
+    register_interface_for_device("tpu", TpuInterface)
+    # User code that calls torch.tpu.* or JAX inside a compiled function graph-breaks there instead of being traced.
+    for name in ("torch_tpu", "jax", "jaxlib"):
+        trace_rules.add(name)
+
+
+_register()
+
+
+# =====================================================================================================================
+# ---- the backend ----
+
+_GRAPH_IDS = itertools.count()
+
+
+def _options(options: dict[str, Any] | None) -> dict[str, Any]:
+    opts = {"dump_dir": os.environ.get("TORCH_TPU_DUMP_DIR") or None,
+            "fallback": os.environ.get("TORCH_TPU_COMPILE_FALLBACK", "").strip().lower() or None}
+    for k, v in (options or {}).items():
+        if k not in opts:
+            raise ValueError(f"torch.compile(backend='tpu'): unknown option {k!r}; known: {', '.join(opts)}")
+        opts[k] = v
+    if opts["fallback"] not in (None, "eager", "strict", "0", "off"):
+        raise ValueError(f"torch.compile(backend='tpu'): fallback={opts['fallback']!r}: use 'eager' (graphs with "
+                         "ops that have no tpu lowering run op by op) or leave it unset (they raise)")
+    return opts
+
+
+def tpu_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
+    """The Dynamo backend "tpu": AOTAutograd, then one jitted XLA program per aten graph."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    opts = _options(kwargs.get("options"))
+    gid = next(_GRAPH_IDS)
+
+    def compiler(kind: str) -> Callable[..., Any]:
+        def compile_graph(g: torch.fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
+            return compile_aten_graph(g, inputs, f"graph{gid}_{kind}", opts)
+
+        return compile_graph
+
+    from functorch.compile import min_cut_rematerialization_partition
+
+    # The min-cut partitioner saves fewer activations for the backward and recomputes cheap elementwise ops there
+    # instead: XLA fuses the recomputation, and every saved tensor is one more program output and input.
+    backend = aot_autograd(
+        fw_compiler=compiler("forward"), bw_compiler=compiler("backward"), inference_compiler=compiler("inference"),
+        decompositions=decompositions(), keep_inference_input_mutations=True,
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    return backend(gm, example_inputs)
+
+
+@functools.cache
+def decompositions() -> dict[Any, Callable[..., Any]]:
+    """PyTorch's core-aten decompositions, plus batch norm's functional forms, minus every op the registry lowers
+    itself (a lowering is one XLA op where a decomposition would be several)."""
+    from torch._decomp import core_aten_decompositions, get_decompositions
+
+    table = dict(core_aten_decompositions())
+    table.update(get_decompositions([
+        aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit, aten.native_batch_norm,
+        aten._batch_norm_with_update, aten._batch_norm_with_update_functional, aten.native_dropout,
+    ]))
+    for op in list(table):
+        if isinstance(op, torch._ops.OpOverload) and registry.overload_name(op) in registry.LOWERINGS:
+            del table[op]
+    return table
+
+
+# =====================================================================================================================
+# ---- one aten graph -> one jitted program ----
+
+def _describe(node: torch.fx.Node) -> str:
+    """The node's tensor inputs as `shape dtype device` (from the graph's fake tensors)."""
+    parts = []
+    for a in node.all_input_nodes:
+        v = a.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            parts.append(f"{a.name}: {list(v.shape)} {v.dtype} {v.device}")
+        elif v is not None:
+            parts.append(f"{a.name}: {v!r}")
+    return "; ".join(parts) or "no tensor inputs"
+
+
+def _is_mutation(node: torch.fx.Node) -> bool:
+    return node.target is aten.copy_.default and node.args[0].op == "placeholder"
+
+
+def _check_lowerings(gm: torch.fx.GraphModule, name: str) -> list[str]:
+    """Problems that stop this graph from becoming one XLA program, each naming the op and its inputs."""
+    problems = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if _is_mutation(node):
+            continue
+        if isinstance(target, torch._ops.OpOverload):
+            op = registry.overload_name(target)
+            if target.namespace != "aten" or not registry.traceable(op):
+                problems.append(f"{target.namespace}::{op} (node {node.name}; inputs {_describe(node)})")
+            elif target in (aten.as_strided.default, aten.as_strided_copy.default):
+                src = node.args[0].meta.get("val")
+                if (isinstance(src, torch.Tensor) and not _symbolic(src)
+                        and not (src.is_contiguous() and src.storage_offset() == 0)):
+                    problems.append(f"aten::{op} of a non-contiguous input (node {node.name}; inputs "
+                                    f"{_describe(node)})")
+        elif isinstance(target, torch._ops.OperatorBase):
+            problems.append(f"{target} (node {node.name}; inputs {_describe(node)})")
+        # Anything else (operator.getitem, SymInt arithmetic, math.*) runs as Python at trace time.
+    devices = sorted({str(v.device) for n in gm.graph.nodes for v in [n.meta.get("val")]
+                      if isinstance(v, torch.Tensor) and v.device.type == "tpu"})
+    if len(devices) > 1:  # one XLA program runs on one device
+        problems.append(f"tensors on several devices in one graph ({', '.join(devices)}): move the .to() between "
+                        "devices out of the compiled function")
+    return problems
+
+
+def _symbolic(val: torch.Tensor) -> bool:
+    return any(isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride(), val.storage_offset()))
+
+
+def _stride_plan(val: Any) -> tuple[int, ...] | None:
+    """For an output expected with a dense, permuted layout: the dims in memory order (outermost first)."""
+    if not isinstance(val, torch.Tensor) or val.dim() < 2 or _symbolic(val):
+        return None  # symbolic sizes: returned contiguous (reading them would specialize the graph)
+    sizes, strides = [int(s) for s in val.shape], [int(s) for s in val.stride()]
+    offset = int(val.storage_offset())
+    if offset != 0 or math.prod(sizes) <= 1:
+        return None
+    order = tuple(sorted(range(len(sizes)), key=lambda d: (-strides[d], d)))
+    if order == tuple(range(len(sizes))):
+        return None
+    expected = 1
+    for d in reversed(order):
+        if sizes[d] != 1 and strides[d] != expected:
+            return None  # overlapping, expanded or gapped: returned contiguous
+        expected *= sizes[d]
+    return order
+
+
+def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str,
+                       opts: dict[str, Any]) -> Callable[..., Any]:
+    """One AOTAutograd graph -> a boxed callable running it as one jitted XLA program."""
+    counters["tpu"]["graphs"] += 1
+    dump_dir = Path(opts["dump_dir"]) if opts.get("dump_dir") else None
+    if dump_dir is not None:
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        shapes = [f"{list(x.shape)} {x.dtype} {x.device}" if isinstance(x, torch.Tensor) else repr(x)
+                  for x in example_inputs]
+        (dump_dir / f"{name}.fx.txt").write_text(
+            "# inputs:\n" + "".join(f"#   {i}: {s}\n" for i, s in enumerate(shapes))
+            + gm.print_readable(print_output=False))
+
+    problems = _check_lowerings(gm, name)
+    if problems:
+        listing = "\n  ".join(problems)
+        if opts.get("fallback") == "eager":
+            warnings.warn(f"torch.compile(backend='tpu'): {name} runs op by op in tpu eager (fallback='eager') "
+                          f"because it cannot become one XLA program:\n  {listing}")
+            counters["tpu"]["eager_fallback_graphs"] += 1
+            return _boxed(lambda args: gm(*args))
+        raise NotImplementedError(
+            f"torch.compile(backend='tpu'): the {name} aten graph cannot become one XLA program:\n  {listing}\n"
+            "Ways out: add a lowering in kernels/ (docs/adding_kernels.md); or move that code out of the compiled "
+            "region (torch._dynamo.disable or torch.compiler.disable); or set TORCH_TPU_COMPILE_FALLBACK=eager "
+            "(or options={'fallback': 'eager'}) to run such graphs op by op in tpu eager.")
+
+    # Forward graphs return the user's outputs, then activations saved for the backward graph: those are read back
+    # by value, so only the user's outputs get their expected strides (a permuted output costs a transpose here and
+    # another read in the backward).
+    n_user = None
+    if name.endswith("_forward"):
+        tc = torch._guards.TracingContext.try_get()
+        meta = getattr(tc, "fw_metadata", None)
+        n_user = getattr(meta, "num_forward", None)
+    return _GraphProgram(gm, example_inputs, name, dump_dir, n_user).boxed()
+
+
+def _boxed(fn: Callable[[list], Any]) -> Callable[[list], Any]:
+    def call(args: list) -> Any:
+        return fn(args)
+
+    call._boxed_call = True  # type: ignore[attr-defined]
+    return call
+
+
+def _on_host(val: Any) -> bool:
+    """A CPU tensor value (or a tuple of them) in the graph's metadata."""
+    if isinstance(val, (tuple, list)):
+        return bool(val) and all(_on_host(v) for v in val)
+    return isinstance(val, torch.Tensor) and val.device.type == "cpu"
+
+
+class _GraphProgram:
+    """The jitted program of one aten graph and the glue that feeds it tensors.
+
+    CPU tensors in a tpu graph (a non-capturable optimizer's step counts) stay on the host: the nodes computed
+    from CPU inputs alone run there first, op by op, and only the values the device part needs are sent. A CPU
+    input updated from host values is then updated on the host, with no wait for the device."""
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str,
+                 dump_dir: Path | None, n_user_outputs: int | None = None) -> None:
+        self.gm = gm
+        self.name = name
+        self.dump_dir = dump_dir
+        self.nodes = list(gm.graph.nodes)
+        placeholders = [n for n in self.nodes if n.op == "placeholder"]
+        self.placeholder_pos = {n: i for i, n in enumerate(placeholders)}
+        self.tensor_idx: list[int] = []  # tpu tensor inputs (fed as device arrays)
+        self.static_idx: list[int] = []  # number inputs (SymInts...): static arguments
+        self.index = -1
+        host: dict[torch.fx.Node, None] = {}  # nodes evaluated on the host, in graph order
+        for i, (node, x) in enumerate(zip(placeholders, example_inputs)):
+            if isinstance(x, torch.Tensor):
+                if x.device.type == "tpu":
+                    self.tensor_idx.append(i)
+                    if self.index < 0:
+                        self.index = x.device.index or 0
+                else:
+                    host[node] = None
+            else:
+                self.static_idx.append(i)
+        if self.index < 0:  # no tpu inputs: the device the graph creates its tensors on
+            devices = [v.device for n in self.nodes for v in [n.meta.get("val")]
+                       if isinstance(v, torch.Tensor) and v.device.type == "tpu"]
+            self.index = (devices[0].index or 0) if devices else _C._current_device()
+        # Host-computable nodes (CPU values from CPU inputs alone); only those that CPU inputs' updates need run
+        # on the host (op by op costs more than in the program).
+        computable = dict(host)
+        for node in self.nodes:
+            if (node.op == "call_function" and not _is_mutation(node) and _on_host(node.meta.get("val"))
+                    and all(a in computable for a in node.all_input_nodes)):
+                computable[node] = None
+        needed: set[torch.fx.Node] = set()
+        stack = [n.args[1] for n in self.nodes if n.op == "call_function" and _is_mutation(n)
+                 and n.args[0] in host and n.args[1] in computable]
+        while stack:
+            n = stack.pop()
+            if n not in needed:
+                needed.add(n)
+                stack.extend(n.all_input_nodes)
+        host.update((n, None) for n in self.nodes if n in needed and n not in host)
+        host = {n: None for n in self.nodes if n in host}  # graph order
+        self.host = host
+        # Host values the device part reads, fed as extra arguments.
+        self.host_feeds = [n for n in host if any(u not in host and u.op != "output" and not
+                                                  (_is_mutation(u) and u.args[0] in host and u.args[1] in host)
+                                                  for u in n.users)]
+        # Constants held by the graph module (get_attr): read once, fed as extra arguments.
+        self.constants: list[Any] = []
+        self.constant_nodes: list[torch.fx.Node] = []
+        for node in self.nodes:
+            if node.op == "get_attr":
+                value = getattr(gm, node.target)
+                if isinstance(value, torch.Tensor):
+                    self.constant_nodes.append(node)
+                    self.constants.append(_read_input(value, self.index))
+        # Mutated inputs: copy_(placeholder, value), in graph order; on the host when both sides are.
+        mutations = [n for n in self.nodes if n.op == "call_function" and _is_mutation(n)]
+        self.host_mutations = [(self.placeholder_pos[n.args[0]], n.args[1]) for n in mutations
+                               if n.args[0] in host and n.args[1] in host]
+        self.device_mutations = {n for n in mutations if not (n.args[0] in host and n.args[1] in host)}
+        self.skip = set(host) | {n for n in mutations if n not in self.device_mutations}
+        self.mutated = [self.placeholder_pos[n.args[0]] for n in mutations if n in self.device_mutations]
+        # Outputs: ("input", i) an input returned as is; ("host", node) a host value; ("array", k, plan) the
+        # program's k-th array output; ("value", j) a non-tensor value (a SymInt...) fixed per static key; ("none",).
+        out_node = next(n for n in self.nodes if n.op == "output")
+        outs = out_node.args[0]
+        self.out_tuple = isinstance(outs, (tuple, list))
+        self.out_spec: list[tuple] = []
+        k = j = 0
+        for pos, o in enumerate(outs if self.out_tuple else (outs,)):
+            saved = n_user_outputs is not None and pos >= n_user_outputs
+            if o is None:
+                self.out_spec.append(("none",))
+            elif isinstance(o, torch.fx.Node) and o.op == "placeholder":
+                self.out_spec.append(("input", self.placeholder_pos[o]))
+            elif isinstance(o, torch.fx.Node) and o in host:
+                self.out_spec.append(("host", o))
+            elif isinstance(o, torch.fx.Node) and isinstance(o.meta.get("val"), torch.Tensor):
+                cpu = o.meta["val"].device.type == "cpu"  # a CPU value computed in the program: sent back
+                plan = None if cpu or saved else _stride_plan(o.meta["val"])
+                self.out_spec.append(("array", k, plan, cpu))
+                k += 1
+            else:
+                self.out_spec.append(("value", j))
+                j += 1
+        self.out_values: dict[tuple, list[Any]] = {}  # static key -> the non-tensor outputs
+        # Random ops (dropout...): each call draws a (seed, offset) from the device's tpu generator, as eager does.
+        self.random = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                          and torch.Tag.nondeterministic_seeded in n.target.tags for n in self.nodes)
+        if self.tensor_idx:  # the program runs where its inputs are
+            self.jitted = jax.jit(self._run, static_argnums=0)
+        else:  # nothing to follow: place the outputs on the graph's device
+            self.jitted = jax.jit(self._run, static_argnums=0,
+                                  out_shardings=jax.sharding.SingleDeviceSharding(_runtime.device(self.index)))
+        self.dumped: set[tuple] = set()
+
+    # -- the traced function: the FX interpreter over JAX values --
+    def _run(self, statics: tuple, *arrays: Any) -> tuple[tuple, tuple]:
+        if not self.random:
+            return self._interpret(statics, arrays)
+        seed, offset = arrays[-2:]
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), (offset & 0xFFFFFFFF).astype("uint32")),
+                                 (offset >> 32).astype("uint32"))
+        with registry.trace_random(key):
+            return self._interpret(statics, arrays[:-2])
+
+    def _interpret(self, statics: tuple, arrays: tuple) -> tuple[tuple, tuple]:
+        env: dict[torch.fx.Node, Any] = {}
+        n_in, n_host = len(self.tensor_idx), len(self.host_feeds)
+        inputs = dict(zip(self.tensor_idx, arrays[:n_in]))
+        inputs.update(zip(self.static_idx, statics))
+        env.update(zip(self.host_feeds, arrays[n_in:n_in + n_host]))
+        env.update(zip(self.constant_nodes, arrays[n_in + n_host:]))
+        mutations: list[Any] = []
+        result: Any = None
+        for node in self.nodes:
+            if node in env or node in self.skip:
+                continue
+            if node.op == "placeholder":
+                env[node] = inputs[self.placeholder_pos[node]]
+            elif node.op == "get_attr":
+                env[node] = getattr(self.gm, node.target)
+            elif node.op == "call_function":
+                args = torch.fx.node.map_arg(node.args, env.__getitem__)
+                kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+                env[node] = self._call(node, args, kwargs, mutations)
+            elif node.op == "output":
+                result = torch.fx.node.map_arg(node.args[0], lambda n: None if n in self.host else env[n])
+            else:
+                raise NotImplementedError(f"torch.compile(backend='tpu'): FX node kind {node.op!r} ({node.name})")
+        values = result if self.out_tuple else (result,)
+        arrays_out, others = [], []
+        for spec, v in zip(self.out_spec, values):
+            if spec[0] == "array":
+                plan = spec[2]
+                arrays_out.append(v if plan is None else v.transpose(plan))
+            elif spec[0] == "value":
+                others.append(v)
+        self.out_values[statics] = others
+        return tuple(arrays_out), tuple(mutations)
+
+    def _call(self, node: torch.fx.Node, args: Any, kwargs: Any, mutations: list[Any]) -> Any:
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload):
+            return target(*args, **kwargs)  # operator.getitem, SymInt arithmetic
+        if node in self.device_mutations:
+            new = registry.trace_call("copy", [args[0], args[1]], {})
+            mutations.append(new)
+            return new
+        op = registry.overload_name(target)
+        try:
+            return registry.trace_call(op, args, kwargs)
+        except Exception as e:
+            msg = (f"torch.compile(backend='tpu'): lowering aten::{op} failed in {self.name} at node {node.name} "
+                   f"(inputs {_describe(node)}): {type(e).__name__}: {e}")
+            try:
+                err = type(e)(msg)
+            except Exception:  # exception types with other constructors (JAX's tracer errors)
+                err = RuntimeError(msg)
+            raise err from e
+
+    def _run_host(self, args: list) -> dict[torch.fx.Node, Any]:
+        env: dict[torch.fx.Node, Any] = {}
+        for node in self.host:
+            if node.op == "placeholder":
+                env[node] = args[self.placeholder_pos[node]]
+            else:
+                a = torch.fx.node.map_arg(node.args, env.__getitem__)
+                kw = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+                env[node] = node.target(*a, **kw)
+        return env
+
+    # -- the call --
+    def boxed(self) -> Callable[[list], Any]:
+        tensor_idx, static_idx, mutated = self.tensor_idx, self.static_idx, self.mutated
+        constants, index, jitted, out_spec = self.constants, self.index, self.jitted, self.out_spec
+        out_tuple, out_values = self.out_tuple, self.out_values
+        host, host_feeds, host_mutations = self.host, self.host_feeds, self.host_mutations
+
+        def call(args: list) -> Any:
+            statics = tuple(args[i] for i in static_idx)
+            arrays = _read_inputs([args[i] for i in tensor_idx])
+            henv = self._run_host(args) if host else None
+            if host_feeds:
+                arrays += [_read_input(henv[n], index) for n in host_feeds]
+            if self.random:
+                seed, offset = _C._philox_step(device_module.default_generators[index], 1)
+                arrays += [np.uint64(seed), np.uint64(offset)]
+            if self.dump_dir is not None and statics not in self.dumped:
+                self._dump(statics, arrays)
+            if statics not in out_values:
+                counters["tpu"]["xla_programs"] += 1
+            outs, muts = jitted(statics, *arrays, *constants)
+            for i, node in host_mutations:
+                _write_host_mutation(args[i], henv[node])
+            for i, m in zip(mutated, muts):
+                _write_mutation(args[i], m)
+            results = []
+            for spec in out_spec:
+                kind = spec[0]
+                if kind == "array" and spec[3]:
+                    results.append(_cpu_output(outs[spec[1]]))
+                elif kind == "array":
+                    t = _wrap_output(outs[spec[1]], index)
+                    plan = spec[2]
+                    if plan is not None:  # back to the logical order, with the expected strides
+                        t = t.permute(tuple(plan.index(d) for d in range(len(plan))))
+                    results.append(t)
+                elif kind == "input":
+                    results.append(args[spec[1]])
+                elif kind == "host":
+                    results.append(henv[spec[1]])
+                elif kind == "value":
+                    results.append(out_values[statics][spec[1]])
+                else:
+                    results.append(None)
+            args.clear()
+            return results if out_tuple else results[0]
+
+        call._boxed_call = True  # type: ignore[attr-defined]
+        return call
+
+    def _dump(self, statics: tuple, arrays: list[Any]) -> None:
+        self.dumped.add(statics)
+        suffix = "" if not statics else "_" + "_".join(str(s) for s in statics)
+        text = self.jitted.lower(statics, *arrays, *self.constants).as_text()
+        (self.dump_dir / f"{self.name}{suffix}.stablehlo.mlir").write_text(text)
