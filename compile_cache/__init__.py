@@ -149,6 +149,12 @@ class DiskCache:
 
     # -- JAX's interface --
     def get(self, key: str) -> bytes | None:
+        if getattr(self._tls, "elsewhere", 0):
+            # torch_tpu is about to serialize this program itself: it must be freshly compiled, because
+            # re-serializing a deserialized XLA:CPU executable loses its kernels ("Function ... not found").
+            with self._lock:
+                self.counters.misses += 1
+            return None
         return self._get(self._file(key), count=True)
 
     def _get(self, path: str, count: bool) -> bytes | None:
@@ -346,7 +352,8 @@ def put_meta(kind: str, text: str, value: Any) -> None:
 
 @contextlib.contextmanager
 def storing_elsewhere():
-    """JAX's compile inside this block is not written to the cache (torch_tpu stores the program itself)."""
+    """JAX's compile inside this block neither reads nor writes the cache: torch_tpu stores the program itself,
+    and only a freshly compiled executable serializes whole."""
     if _cache is None:
         yield
         return
@@ -383,6 +390,15 @@ def load_executable(text: str, device: Any) -> Any:
 
     _metrics.cache_hit()
     return program
+
+
+def discard_executable(text: str, problem: str) -> None:
+    """Deletes the program stored under `text` (it loaded but cannot run), with a CompileCacheWarning."""
+    path = _meta_file("graph", text)
+    if path is not None:
+        with _cache._lock:
+            _cache.counters.hits -= 1  # counted when it loaded: it was no use
+        _cache._discard(path, problem)
 
 
 def store_executable(text: str, compiled: Any) -> None:

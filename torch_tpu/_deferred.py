@@ -437,7 +437,7 @@ def _fused_program(g: _Graph, outs: tuple, donate: tuple[int, ...]) -> Callable[
         text = repr((texts, outs, donate, specs, device.platform, device.device_kind, device.id,
                      jax.process_count()))
         loaded = compile_cache.load_executable(text, device)
-        if loaded is not None:
+        if loaded is not None and (device.platform != "cpu" or _runs(loaded, g.inputs, text)):
             return loaded
     replay = _replay(list(g.nodes), outs)
     replay.__name__ = f"torch_tpu_fused_{len(g.nodes)}_ops"
@@ -450,6 +450,26 @@ def _fused_program(g: _Graph, outs: tuple, donate: tuple[int, ...]) -> Callable[
         compiled = jitted.lower(*g.inputs).compile()
     compile_cache.store_executable(text, compiled)
     return compiled
+
+
+def _runs(program: Any, inputs: list[Any], text: str) -> bool:
+    """XLA:CPU only: runs a program loaded from disk once on zeros shaped like `inputs` (the real inputs may be
+    donated). An XLA:CPU executable that was itself deserialized before it was serialized lacks its kernels
+    ("Function ... not found"), which only shows when it runs; storing_elsewhere() prevents writing such
+    entries, and this catches any that still exist. A program that fails is dropped from the cache."""
+    from torch_tpu import compile_cache
+
+    try:
+        import numpy as np
+
+        # numpy zeros placed on the device: no program of its own to compile
+        dry = [jax.device_put(np.zeros(a.shape, a.dtype), next(iter(a.devices()))) if hasattr(a, "devices")
+               else a for a in inputs]
+        jax.block_until_ready(program(*dry))
+        return True
+    except Exception as e:  # noqa: BLE001 - any failure: recompile instead
+        compile_cache.discard_executable(text, f"not runnable ({type(e).__name__}: {str(e)[:200]})")
+        return False
 
 
 def _op_name(fn: Any) -> str:
