@@ -141,6 +141,10 @@ class DiskCache:
         self.counters = _Counters()
         self._lock = threading.Lock()
         self._tls = threading.local()
+        # The directory's size as last scanned plus what this process wrote since: eviction scans the directory
+        # only when this passes the cap (or every _RESCAN writes, to see other processes' writes).
+        self._approx_bytes: int | None = None
+        self._writes_since_scan = 0
         os.makedirs(directory, exist_ok=True)
 
     def _file(self, key: str, prefix: str = "") -> str:
@@ -222,7 +226,14 @@ class DiskCache:
                 self.counters.writes += 1
             if not compile_seconds:
                 self._tls.last_written = path
-        self.evict()
+        with self._lock:
+            if self._approx_bytes is not None:
+                self._approx_bytes += len(value) + _HEADER.size
+            self._writes_since_scan += 1
+            scan = (self._approx_bytes is None or self._approx_bytes > self.cap
+                    or self._writes_since_scan >= _RESCAN)
+        if scan:
+            self.evict()
 
     def clear(self) -> None:
         clear(self.directory)
@@ -263,10 +274,11 @@ class DiskCache:
     def evict(self, cap: int | None = None) -> int:
         """Deletes least-recently-used entries until the cache fits `cap` (default: its cap); returns how many."""
         cap = self.cap if cap is None else cap
-        n = _evict(self.directory, cap)
-        if n:
-            with self._lock:
-                self.counters.evictions += n
+        n, remaining = _evict(self.directory, cap)
+        with self._lock:
+            self.counters.evictions += n
+            self._approx_bytes = remaining
+            self._writes_since_scan = 0
         return n
 
 
@@ -284,10 +296,14 @@ def _check(data: bytes) -> str | None:
     return None
 
 
-def _evict(directory: str, cap: int) -> int:
+_RESCAN = 256
+
+
+def _evict(directory: str, cap: int) -> tuple[int, int]:
+    """Deletes least-recently-used entries until `directory` fits `cap`: (entries deleted, bytes left)."""
     entries, total = _disk_usage(directory)
     if total <= cap:
-        return 0
+        return 0, total
     removed = 0
     lock_path = os.path.join(directory, ".evict.lock")
     with open(lock_path, "a") as lock:
@@ -305,7 +321,7 @@ def _evict(directory: str, cap: int) -> int:
                 total -= size
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
-    return removed
+    return removed, total
 
 
 _cache: DiskCache | None = None
@@ -323,10 +339,34 @@ def _config_text() -> str:
     return repr((items, os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", "")))
 
 
+_SOURCE_HASH: list[str] = []
+
+
+def _source_hash() -> str:
+    """A hash of torch_tpu's Python sources: op shapes and fused programs are keyed by the structure of Python
+    calls, so a changed kernel must not find the entries of the old one (a version bump is not enough while
+    developing). JAX's own entries are keyed by the program itself and need no such thing."""
+    if not _SOURCE_HASH:
+        import torch_tpu
+
+        root = os.path.dirname(os.path.abspath(torch_tpu.__file__))
+        h = hashlib.sha256()
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            for name in sorted(filenames):
+                if name.endswith(".py"):
+                    path = os.path.join(dirpath, name)
+                    h.update(os.path.relpath(path, root).encode())
+                    with open(path, "rb") as f:
+                        h.update(f.read())
+        _SOURCE_HASH.append(h.hexdigest())
+    return _SOURCE_HASH[0]
+
+
 def _meta_file(kind: str, text: str) -> str | None:
     if _cache is None:
         return None
-    return _cache._file(f"{kind}|{text}|{_config_text()}", prefix=kind[0] + "-")
+    return _cache._file(f"{kind}|{text}|{_config_text()}|{_source_hash()}", prefix=kind[0] + "-")
 
 
 def get_meta(kind: str, text: str) -> Any:
@@ -517,4 +557,4 @@ def prune(directory: str | None = None, cap: int | None = None) -> tuple[int, in
                         damaged += 1
         except FileNotFoundError:
             pass
-    return damaged, _evict(d, max_bytes() if cap is None else cap)
+    return damaged, _evict(d, max_bytes() if cap is None else cap)[0]

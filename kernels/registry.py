@@ -357,19 +357,24 @@ class OpKernel:
                         return _wrap(_deferred.record(fast[0], entry[0], entry[1], fast[2]), None, fast[0])
         vals = self.bind(args, kwargs)
         index, out = self.compute(vals)
-        if _deferred.mode:
-            if _deferred.mode == _deferred.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
-                _deferred.block_arrays(out)
-            elif not kwargs and self.lowering.jit and self._fast_ok[len(args)] and not isinstance(out, (tuple, list)) \
-                    and _deferred.recording():
-                fast = _fast_args(args)
-                if fast is not None:
-                    self._install_fast(len(args), fast[1], vals, recorded=True)
-        elif not kwargs and self.lowering.jit and self._fast_ok[len(args)] and not isinstance(out, (tuple, list)):
-            fast = _fast_args(args)
-            if fast is not None:
-                self._install_fast(len(args), fast[1], vals)
+        self._after_slow_call(args, kwargs, vals, out)
         return wrap_arrays(out, index)
+
+    def _after_slow_call(self, args: tuple, kwargs: dict, vals: list, out: Any,
+                         inplace_dtype: torch.dtype | None = None) -> None:
+        """After a call that took the slow path: wait for the device under DEFER_NEVER_AND_LAUNCH_BLOCKING, else
+        install the fast-path entry for calls shaped like this one (the recorded kind under DEFER_AND_FUSE)."""
+        mode = _deferred.mode
+        if mode == _deferred.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
+            _deferred.block_arrays(out)
+            return
+        if kwargs or not self.lowering.jit or not self._fast_ok[len(args)] or isinstance(out, (tuple, list)):
+            return
+        if mode and not _deferred.recording():
+            return  # inside a kernel that runs eagerly under DEFER_AND_FUSE: no entry for either table
+        fast = _fast_args(args)
+        if fast is not None:
+            self._install_fast(len(args), fast[1], vals, inplace_dtype, recorded=bool(mode))
 
     def _install_fast(self, n: int, mask: int, vals: list, inplace_dtype: torch.dtype | None = None,
                       recorded: bool = False) -> None:
@@ -415,18 +420,7 @@ class OpKernel:
         _check_same_shape(self.name, target, out)
         _check_cast(self.name, _runtime.torch_dtype(out.dtype), target.dtype)
         _storage.write(target, out)
-        if _deferred.mode:
-            if _deferred.mode == _deferred.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
-                _deferred.block_arrays(out)
-            elif not kwargs and self.lowering.jit and self._fast_ok[len(args)] and not isinstance(out, (tuple, list)) \
-                    and _deferred.recording():
-                fast = _fast_args(args)
-                if fast is not None:
-                    self._install_fast(len(args), fast[1], vals, target.dtype, recorded=True)
-        elif not kwargs and self.lowering.jit and self._fast_ok[len(args)] and not isinstance(out, (tuple, list)):
-            fast = _fast_args(args)
-            if fast is not None:
-                self._install_fast(len(args), fast[1], vals, target.dtype)
+        self._after_slow_call(args, kwargs, vals, out, target.dtype)
         return target
 
     def out(self, *args: Any, **kwargs: Any) -> Any:

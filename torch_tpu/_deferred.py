@@ -18,6 +18,7 @@ shapes/dtypes; Python scalars are inputs, so new values do not recompile.
 
 from __future__ import annotations
 
+import collections
 import enum
 import itertools
 import os
@@ -180,7 +181,9 @@ _avals: dict[tuple, tuple[list[Any], Any]] = {}  # (fn key, arg signature) -> (o
 # single array): a graph's key is its node ids, so a flush hashes a tuple of ints, not every op's structure.
 _nodes: dict[tuple, tuple[int, list[tuple], Any, str | None]] = {}
 _node_text: dict[int, str | None] = {}  # node id -> stable text of its key (None: process-local)
-_fused: dict[tuple, Callable[..., Any]] = {}  # graph key -> jitted program
+# graph key -> compiled program, least recently used first; capped (TORCH_TPU_FUSE_CACHE, default 512 programs)
+# so a workload whose graphs keep changing does not hold every executable it ever compiled.
+_fused: collections.OrderedDict[tuple, Callable[..., Any]] = collections.OrderedDict()
 _SCALARS = (bool, int, float, complex)
 
 
@@ -192,6 +195,16 @@ def max_ops() -> int:
 
 
 _MAX_OPS = max_ops()
+
+
+def _fused_cap() -> int:
+    try:
+        return max(1, int(os.environ.get("TORCH_TPU_FUSE_CACHE", "512")))
+    except ValueError:
+        return 512
+
+
+_FUSED_CAP = _fused_cap()
 
 
 def _graph(index: int) -> _Graph:
@@ -376,6 +389,10 @@ def flush(g: _Graph | None, reason: str) -> None:
         try:
             if fn is None:
                 fn = _fused[key] = _fused_program(g, outs, donate)
+                if len(_fused) > _FUSED_CAP:
+                    _fused.popitem(last=False)
+            else:
+                _fused.move_to_end(key)
             results = fn(*g.inputs)
         except BaseException as e:
             for p in alive:
