@@ -68,8 +68,8 @@ def test_fresh_venv_with_only_torch_jax_and_the_wheel(tmp_path: Path) -> None:
     assert r.stdout.strip().endswith("tpu:0")
 
 
-def test_import_torch_tpu_first_and_run_as_module() -> None:
-    """`import torch_tpu` before torch (and `python -m torch_tpu.<module>`) loads the backend once, no cycle."""
+def test_import_torch_tpu_before_torch() -> None:
+    """`import torch_tpu` before torch (as `python -m torch_tpu.compile_cache` does) loads the backend, no cycle."""
     out = run_python("import torch_tpu, torch; print(torch.ones(2, device='tpu').sum().item())")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "2.0"
