@@ -171,6 +171,7 @@ def _check_storm() -> None:
         return
     what = shapes = None
     site = None
+    site_file, site_line = "", 0
     f = sys._getframe(2)
     skip = _skip_dirs()
     while f is not None:
@@ -184,6 +185,7 @@ def _check_storm() -> None:
                 shapes = _shapes(f.f_locals["g"].inputs)
         if not code.co_filename.startswith(skip) and not code.co_filename.startswith("<"):
             site = f"{code.co_filename}:{f.f_lineno}"
+            site_file, site_line = code.co_filename, f.f_lineno
             break
         f = f.f_back
     if what is None or site is None:
@@ -197,13 +199,14 @@ def _check_storm() -> None:
         if fire:
             _warned.add(key)
     if fire:
-        warnings.warn(
+        warnings.warn_explicit(
             f"torch_tpu: {what} called from {site} compiled again in {len(entry[0])} steps because its input "
             f"shapes keep changing (now {shapes}, before {previous}). Every new shape costs an XLA compilation: pad inputs "
             "to a few fixed sizes (bucketing) or keep shapes static. TORCH_TPU_RECOMPILE_WARN=N sets the "
             "threshold, 0 silences this.",
             RecompilationWarning,
-            stacklevel=2,
+            site_file,  # reported at the user's line, not inside torch_tpu
+            site_line,
         )
 
 
