@@ -217,7 +217,7 @@ def bench_fuse() -> None:
     floor = _jax_floor_us("mlp")
     print(f"  {'  the same step in one jax.jit':<34} {floor / 1e3:8.2f} ms: DEFER_AND_FUSE is"
           f" {r['DEFER_AND_FUSE'] / floor:.2f}x of it, DEFER_NEVER {r['DEFER_NEVER'] / floor:.2f}x"
-          " (no mode can beat it: the speed-up is bounded by the device time)")
+          " (the floor: the same XLA work with no per-op host work)")
 
     gpt = _example("gpt")
     torch.manual_seed(0)
