@@ -447,14 +447,12 @@ def store_executable(text: str, compiled: Any) -> None:
         return
     from jax.experimental import serialize_executable
 
-    start = time.perf_counter()
     try:
         blob = pickle.dumps(serialize_executable.serialize(compiled), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:  # noqa: BLE001 - a program the runtime cannot serialize: keep it in memory only
         warnings.warn(f"torch_tpu compile cache: could not serialize a fused program ({e}); it is not cached.",
                       CompileCacheWarning, stacklevel=2)
         return
-    del start
     _cache._put(path, blob, count=True, compile_seconds=getattr(_cache._tls, "last_compile_seconds", 0.0))
 
 

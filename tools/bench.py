@@ -11,7 +11,7 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -91,16 +91,9 @@ def bench_op_overhead() -> None:
 def bench_training() -> None:
     """Training steps per second of the MLP and GPT examples on tpu (DEFER_NEVER, op by op) next to torch CPU
     eager, same model and data, measured after warm-up (compilation excluded)."""
-    import importlib.util
-    from pathlib import Path
-
-    examples = Path(__file__).resolve().parent.parent / "examples"
-    sys.path.insert(0, str(examples))
     print(f"training  platform={torch.tpu.get_device_name()}  (steps/s after 5 warm-up steps)")
     for name in ("mlp", "gpt"):
-        spec = importlib.util.spec_from_file_location(f"example_{name}", examples / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+        mod = _example(name)
         rates = {}
         for device in ("cpu", "tpu"):
             model, batches, loss_fn = mod.build(0)
@@ -137,6 +130,7 @@ def _example(name: str):
         sys.path.insert(0, str(examples))
     spec = importlib.util.spec_from_file_location(f"example_{name}", examples / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # Dynamo looks compiled functions' modules up by name
     spec.loader.exec_module(mod)
     return mod
 
@@ -458,9 +452,9 @@ def _jax_loss(name: str):
     return loss
 
 
-def _jax_floor_us(name: str, calls: int = 20, trials: int = 5) -> float:
-    """Median us per training step of example `name` written directly in JAX, forward + backward + AdamW in one
-    jax.jit, waited for (the floor any torch_tpu mode can reach on this device)."""
+def _jax_train_step(name: str) -> tuple[Callable[[], Any], list[Any]]:
+    """Example `name` written directly in JAX, forward + backward + AdamW in one jax.jit, on the same weights and
+    first batch: (a step returning the loss array, the carried [params, optimizer state])."""
     import jax
     import jax.numpy as jnp
 
@@ -480,9 +474,20 @@ def _jax_floor_us(name: str, calls: int = 20, trials: int = 5) -> float:
 
     carry = [params, init(params)]
 
-    def step() -> None:
+    def step() -> Any:
         carry[0], carry[1], value = jax_step(carry[0], carry[1], x, y)
-        float(value)  # like loss.item()
+        return value
+
+    return step, carry
+
+
+def _jax_floor_us(name: str, calls: int = 20, trials: int = 5) -> float:
+    """Median us per training step of example `name` written in one jax.jit, each step waited for like
+    `loss.item()` (the floor: the same XLA work with no per-op host work)."""
+    jax_step, _ = _jax_train_step(name)
+
+    def step() -> None:
+        float(jax_step())  # like loss.item()
 
     for _ in range(3):
         step()
@@ -493,20 +498,11 @@ def bench_compile() -> None:
     """Training steps per second of the MLP and GPT examples: torch.compile(backend="tpu") (model and optimizer
     step compiled) vs tpu eager, and vs the same model and AdamW written directly in JAX with the whole step in one
     jax.jit (the floor; target compiled/JAX within 1.15x). Steps after warm-up, waited for at the end."""
-    import importlib.util
-    from pathlib import Path
-
     import jax
-    import jax.numpy as jnp
 
-    examples = Path(__file__).resolve().parent.parent / "examples"
-    sys.path.insert(0, str(examples))
     print(f"compile  platform={torch.tpu.get_device_name()}  (steps/s after warm-up; AdamW; median of 5 trials)")
     for name in ("mlp", "gpt"):
-        spec = importlib.util.spec_from_file_location(f"example_{name}", examples / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
+        mod = _example(name)
         steps: dict[str, Callable[[], object]] = {}
         for mode in ("eager", "compiled"):
             model, batches, loss_fn = mod.build(0)
@@ -528,24 +524,7 @@ def bench_compile() -> None:
 
             steps[mode] = step
         # The floor: the same model and data in JAX, forward + backward + AdamW in one jit.
-        model, batches, _ = mod.build(0)
-        group = mod.optimizer(model).param_groups[0]
-        params = {k: jnp.asarray(v.detach().numpy()) for k, v in model.named_parameters()}
-        x, y = (jnp.asarray(t.numpy()) for t in next(batches))
-        init, update = _jax_adamw(group["lr"], group["weight_decay"])
-        loss = _jax_loss(name)
-
-        @jax.jit
-        def jax_step(params, state, x, y):
-            value, grads = jax.value_and_grad(loss)(params, x, y)
-            params, state = update(params, state, grads)
-            return params, state, value
-
-        carry = [params, init(params)]
-
-        def floor() -> None:
-            carry[0], carry[1], _ = jax_step(carry[0], carry[1], x, y)
-
+        floor, carry = _jax_train_step(name)
         steps["jax"] = floor
 
         def sync() -> None:

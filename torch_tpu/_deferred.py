@@ -187,24 +187,16 @@ _fused: collections.OrderedDict[tuple, Callable[..., Any]] = collections.Ordered
 _SCALARS = (bool, int, float, complex)
 
 
-def max_ops() -> int:
+def _env_count(name: str, default: int) -> int:
+    """A positive count from the environment (the default when unset or not an integer)."""
     try:
-        return max(1, int(os.environ.get("TORCH_TPU_FUSE_MAX_OPS", "1000")))
+        return max(1, int(os.environ.get(name, str(default))))
     except ValueError:
-        return 1000
+        return default
 
 
-_MAX_OPS = max_ops()
-
-
-def _fused_cap() -> int:
-    try:
-        return max(1, int(os.environ.get("TORCH_TPU_FUSE_CACHE", "512")))
-    except ValueError:
-        return 512
-
-
-_FUSED_CAP = _fused_cap()
+_MAX_OPS = _env_count("TORCH_TPU_FUSE_MAX_OPS", 1000)
+_FUSED_CAP = _env_count("TORCH_TPU_FUSE_CACHE", 512)
 
 
 def _graph(index: int) -> _Graph:
@@ -499,18 +491,6 @@ def flush_all(reason: str) -> None:
             flush(g, reason)
 
 
-def flush_device(index: int, reason: str) -> None:
-    flush(_graphs.get(index), reason)
-
-
-def pending_ops(index: int | None = None) -> int:
-    """Ops recorded and not yet run (on tpu:`index`, or on all devices)."""
-    if index is None:
-        return sum(len(g.nodes) for g in _graphs.values())
-    g = _graphs.get(index)
-    return len(g.nodes) if g is not None else 0
-
-
 # ---- jitted helpers that defer ----
 
 class Jitted:
@@ -594,7 +574,8 @@ def boundary(fn: Callable[..., Any], reason: str) -> Callable[..., Any]:
 
 
 def block(out: Any) -> None:
-    """DEFER_NEVER_AND_LAUNCH_BLOCKING: wait until the device finished the op that produced `out`."""
+    """DEFER_NEVER_AND_LAUNCH_BLOCKING after a direct kernel: wait for all queued device work (a direct kernel's
+    results are tensors, not arrays, so this does not look at `out`)."""
     from torch_tpu import _runtime
 
     _runtime.synchronize()

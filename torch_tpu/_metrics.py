@@ -135,7 +135,7 @@ def install_listener() -> None:
 epoch = 0
 _sites: dict[tuple[str, str], list[Any]] = {}  # (call site, what) -> [epochs with compiles, previous shapes]
 _warned: set[tuple[str, str]] = set()
-_KERNEL_CODES: dict[Any, str] = {}
+_KERNEL_CODES: set[Any] = set()
 
 
 def _skip_dirs() -> tuple[str, ...]:
@@ -212,4 +212,4 @@ def _check_storm() -> None:
 
 def register_kernel_code(code: Any) -> None:
     """Frames running this code object are op kernels (`self.name` is the op, `args` its arguments)."""
-    _KERNEL_CODES[code] = "kernel"
+    _KERNEL_CODES.add(code)
