@@ -261,3 +261,22 @@ def test_move_with_pending_fused_values(tpu):
     assert all(_slots(m)[k] is p and p.device.type == "cpu" for k, p in params.items())
     for k, v in m_ref.state_dict().items():
         torch.testing.assert_close(m.state_dict()[k], v, rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_hooks_survive_and_old_storage_is_released(tpu):
+    """The moved TensorImpl keeps its autograd hooks; the tpu storage it drops on the way back is freed."""
+    base = torch.tpu.live_storages()
+    m = nn.Linear(4, 4)
+    w = m.weight
+    seen = []
+    w.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.device))
+    w.register_hook(lambda g: g * 2)
+    m.to(tpu)
+    assert w.untyped_storage().device == tpu and torch.tpu.live_storages() == base + 2
+    x = torch.randn(3, 4)
+    m(x.to(tpu)).sum().backward()
+    assert seen == [tpu]
+    torch.testing.assert_close(w.grad.cpu(), 2 * x.sum(0)[None].expand(4, 4))
+    m.to("cpu")
+    assert w.device.type == "cpu" and w.grad.device.type == "cpu"
+    assert torch.tpu.live_storages() == base
