@@ -20,6 +20,7 @@ import torch
 
 
 from torch_tpu import _C, _deferred, _runtime, _storage
+from torch_tpu._checks import report_bad_index
 from torch_tpu._jax import jax, jnp, lax
 from torch_tpu.kernels.creation import _key, _philox
 from torch_tpu.kernels.registry import DEFAULT, direct, lower, wrap_arrays, write_outs
@@ -1059,6 +1060,8 @@ def _check_nll(self: Any, target: Any, weight: Any, spatial: bool) -> None:
 
 
 def _nll_forward(self: Any, target: Any, weight: Any, reduction: int, ignore_index: int) -> tuple[Any, Any]:
+    report_bad_index("nll_loss", jnp.where(target != ignore_index, target, 0), self.shape[1 if self.ndim > 1 else 0],
+                     message="{op}(): Target {value} is out of bounds.")
     loss, w = _nll(self, target, weight, ignore_index)
     if reduction == 0:
         return loss.reshape(target.shape).astype(self.dtype), jnp.zeros((), self.dtype)
@@ -1224,6 +1227,7 @@ def embedding_dense_backward(
 ) -> Any:
     dim = grad_output.shape[-1]
     idx = indices.reshape(-1)
+    report_bad_index("embedding_backward", idx, num_weights)
     g = _opmath(grad_output).reshape(-1, dim)
     g = jnp.where((idx == padding_idx)[:, None], 0, g)
     if scale_grad_by_freq:
