@@ -549,9 +549,13 @@ def masked_scatter(self: Any, mask: Any, source: Any) -> Any:
     x = jnp.broadcast_to(self, shape)
     m = jnp.broadcast_to(mask, shape).reshape(-1)
     src = source.reshape(-1)
+    need = jnp.cumsum(m.astype(jnp.int64)) - 1  # the source element each masked position takes
+    report_bad_index("masked_scatter_", jnp.where(m, need, 0), src.size, error=RuntimeError,
+                     message="{op}(): Number of elements of source < number of ones in mask (source has {size} "
+                     "elements; element {value} was needed)")
     if src.size == 0:
         return x
-    pos = jnp.clip(jnp.cumsum(m.astype(jnp.int64)) - 1, 0, src.size - 1)
+    pos = jnp.clip(need, 0, src.size - 1)
     return jnp.where(m, src[pos], x.reshape(-1)).reshape(shape)
 
 

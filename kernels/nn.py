@@ -409,6 +409,9 @@ def _max_unpool(self: Any, indices: Any, output_size: Sequence[int]) -> Any:
     lead = self.shape[: self.ndim - nd]
     planes = math.prod(lead)
     out = jnp.zeros((planes, math.prod(output_size)), self.dtype)
+    sizes = "x".join(str(s) for s in output_size)
+    report_bad_index(f"max_unpool{nd}d", indices, math.prod(output_size), error=RuntimeError,
+                     message="{op}(): Found an invalid max index: {value} (output volumes are of size " + sizes + ")")
     out = out.at[jnp.arange(planes)[:, None], indices.reshape(planes, -1)].set(self.reshape(planes, -1))
     return out.reshape(tuple(lead) + tuple(output_size))
 
@@ -1203,6 +1206,8 @@ def _multi_margin_terms(self: Any, target: Any, p: Any, margin: Any, weight: Any
 @lower("multi_margin_loss")
 def multi_margin_loss(self: Any, target: Any, p: Any = 1, margin: Any = 1, weight: Any = None,
                       reduction: int = 1) -> Any:
+    report_bad_index("multi_margin_loss", target, self.shape[-1] if self.ndim else 1, error=RuntimeError,
+                     message="{op}(): target out of range: target {value} with {size} classes")
     x, z, w, _ = _multi_margin_terms(self, target, p, margin, weight)
     per = jnp.sum(jnp.where(p == 1, z, z * z) * w, axis=1) / x.shape[1]
     if reduction == 0 and self.ndim <= 1:

@@ -253,3 +253,45 @@ def test_fused_program_from_disk_still_checks(tmp_path) -> None:
         assert "RAISED index_select(): index 8 is out of bounds for dimension 0 with size 5" in r.stdout, r.stdout
         if run == 1:
             assert "COMPILES 0" in r.stdout, r.stdout  # both graphs came from the disk
+
+
+# Other ops whose values select elements: (op on any device, good inputs, bad inputs, what the message shows)
+def _friends() -> dict:
+    def masked_scatter(d: str, bad: bool) -> torch.Tensor:
+        mask = torch.tensor([True, False, True, True, bad], device=d)
+        return torch.zeros(5, device=d).masked_scatter(mask, torch.arange(1.0, 4.0, device=d))
+
+    def multi_margin(d: str, bad: bool) -> torch.Tensor:
+        x = torch.linspace(-1, 1, 6, device=d).reshape(2, 3)
+        return torch.nn.functional.multi_margin_loss(x, torch.tensor([0, 5 if bad else 2], device=d))
+
+    def max_unpool(d: str, bad: bool) -> torch.Tensor:
+        x = torch.arange(1.0, 5.0, device=d).reshape(1, 1, 2, 2)
+        idx = torch.tensor([[[[0, 3], [9 if bad else 8, 5]]]], device=d)  # 3x3 output: valid in [0, 9)
+        return torch.nn.functional.max_unpool2d(x, idx, 2, output_size=(3, 3))
+
+    return {"masked_scatter": (masked_scatter, "source has 3 elements"), "multi_margin_loss": (multi_margin, "5"),
+            "max_unpool2d": (max_unpool, "invalid max index: 9")}
+
+
+FRIENDS = _friends()
+
+
+@pytest.mark.parametrize("mode", ["DEFER_NEVER", "DEFER_NEVER_AND_LAUNCH_BLOCKING", "DEFER_AND_FUSE", "compile"])
+@pytest.mark.parametrize("name", list(FRIENDS))
+def test_other_value_checks(name: str, mode: str) -> None:
+    op, shown = FRIENDS[name]
+    with pytest.raises(RuntimeError) as cpu:
+        op("cpu", True)
+    fn = op
+    if mode == "compile":
+        torch._dynamo.reset()
+        fn = torch.compile(op, backend="tpu", dynamic=False)
+    else:
+        torch.tpu.eager_mode = mode
+    with pytest.raises(cpu.type) as info:
+        fn("tpu", True).cpu()
+    assert shown in str(info.value), str(info.value)
+    if mode == "DEFER_NEVER_AND_LAUNCH_BLOCKING":
+        assert "at the op" in str(info.value)
+    torch.testing.assert_close(fn("tpu", False).cpu(), op("cpu", False))
