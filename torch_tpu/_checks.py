@@ -62,6 +62,7 @@ def _flag_jit(index: Any, lo: int, hi: int) -> Any:
         _FLAG_JIT.append(jax.jit(_flag, static_argnums=(1, 2)))
     return _FLAG_JIT[0](index, lo, hi)
 
+
 # Trace-time texts: where `{value}` stands, the bad index is written when the error is raised.
 _DEFAULT = "{op}(): index {value} is out of bounds for dimension {dim} with size {size}"
 
