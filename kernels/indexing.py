@@ -3,10 +3,13 @@ masked fills and masked_select, cat, nonzero / unique / bincount (data-dependent
 triangles, padding and diagonals.
 
 Data-dependent lowerings (`jit=False`) receive concrete arrays; they do the shape-deciding work eagerly and
-hand the rest to small cached `jax.jit` functions so results stay on the inputs' device. index / index_put
-run that way anyway (bool masks), so they also raise PyTorch's out-of-bounds IndexError (one small host
-read). The jitted ops (gather, scatter*, index_select, index_add/copy/fill/reduce, take, put) cannot raise on
-index values: out-of-range indices are clamped on reads and dropped on writes where PyTorch raises.
+hand the rest to small cached `jax.jit` functions so results stay on the inputs' device.
+
+Index values are checked on the device (torch_tpu/_checks.py): every op that indexes with a tensor (index /
+index_put integer indices, gather, scatter*, index_select, index_add/copy/fill/reduce, take, put, embedding)
+calls `report_bad_index` while it is traced, and an out-of-range index raises the error CPU raises (IndexError or
+RuntimeError) at the next synchronization point, as CUDA's device-side asserts do. The computed values of such
+an op are unspecified (XLA clamps gathers and drops scattered updates), never returned without the error.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 import torch
 
 from torch_tpu import _runtime
+from torch_tpu._checks import report_bad_index
 from torch_tpu._jax import jax, jnp, lax
 from torch_tpu.kernels.registry import dtype_name, lower, result_dtype
 
@@ -111,10 +115,10 @@ def _is_mask(idx: Any) -> bool:
     return idx.dtype == jnp.bool_ or idx.dtype == jnp.uint8
 
 
-def _expand_indices(shape: tuple[int, ...], indices: Sequence[Any]) -> tuple[list[Any], tuple[int, ...]]:
+def _expand_indices(shape: tuple[int, ...], indices: Sequence[Any], op: str) -> tuple[list[Any], tuple[int, ...]]:
     """PyTorch's index preprocessing on concrete arrays: bool/byte masks become their nonzero coordinates
-    (a 0-d mask indexes a new unit dim), integer indices are bounds-checked. Returns the per-dim index list
-    (None = full slice) and the shape to index (self's, with the unit dims inserted)."""
+    (a 0-d mask indexes a new unit dim), integer indices are bounds-checked on the device. Returns the per-dim
+    index list (None = full slice) and the shape to index (self's, with the unit dims inserted)."""
     used = sum(1 if i is None or not _is_mask(i) else i.ndim for i in indices)
     if used > len(shape):
         raise IndexError(f"too many indices for tensor of dimension {len(shape)}")
@@ -153,7 +157,8 @@ def _expand_indices(shape: tuple[int, ...], indices: Sequence[Any]) -> tuple[lis
         raise IndexError(
             f"shape mismatch: indexing tensors could not be broadcast together with shapes {shapes}"
         ) from None
-    _check_bounds(checks)
+    for k, idx, size in checks:  # PyTorch numbers the dimension among the indices given
+        report_bad_index(op, idx, size, k, negative=True)
     return out, tuple(expanded)
 
 
@@ -174,19 +179,6 @@ def _bounds_fn(n: int) -> Callable[..., Any]:
         return jnp.stack([jnp.stack([a.min(), a.max()]).astype(jnp.int64) for a in arrs])
 
     return jax.jit(f)
-
-
-def _check_bounds(checks: list[tuple[int, Any, int]]) -> None:
-    """PyTorch's 'index X is out of bounds' check (one small reduction, read back to the host). Inside a traced
-    program (torch.compile) indices have no values yet: no check, as in CUDA's compiled kernels."""
-    if not checks or any(isinstance(c[1], jax.core.Tracer) for c in checks):
-        return
-    bounds = _host(_bounds_fn(len(checks))(*[c[1] for c in checks]))
-    for (k, idx, size), (lo, hi) in zip(checks, bounds):
-        if lo < -size or hi >= size:
-            vals = _host(idx).reshape(-1)
-            bad = vals[(vals < -size) | (vals >= size)][0]
-            raise IndexError(f"index {bad} is out of bounds for dimension {k} with size {size}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -211,7 +203,7 @@ def _index_put_fn(pattern: tuple[bool, ...], accumulate: bool) -> Callable[..., 
 
 @lower("index.Tensor", jit=False, cpu_tensors=True)
 def index(self: Any, indices: Sequence[Any]) -> Any:
-    idx, shape = _expand_indices(tuple(self.shape), indices)
+    idx, shape = _expand_indices(tuple(self.shape), indices, "index")
     x = self.reshape(shape) if shape != tuple(self.shape) else self
     pattern = tuple(i is not None for i in idx)
     return _index_fn(pattern)(x, *[i for i in idx if i is not None])
@@ -230,7 +222,7 @@ def _index_put(self: Any, indices: Sequence[Any], values: Any, accumulate: bool)
             "Index put requires the source and destination dtypes match, got "
             f"{_dtype_name(self.dtype)} for the destination and {_dtype_name(values.dtype)} for the source."
         )
-    idx, shape = _expand_indices(tuple(self.shape), indices)
+    idx, shape = _expand_indices(tuple(self.shape), indices, "index_put_")
     x = self.reshape(shape) if shape != tuple(self.shape) else self
     pattern = tuple(i is not None for i in idx)
     arrays = [i for i in idx if i is not None]
@@ -318,11 +310,12 @@ def gather(self: Any, dim: int, index: Any, sparse_grad: bool = False) -> Any:
                 f"Size does not match at dimension {d} expected index {list(index.shape)} to be no larger than "
                 f"self {list(self.shape)} apart from dimension {dim}"
             )
+    report_bad_index("gather", idx, x.shape[dim], dim, error=RuntimeError)
     coords = _scatter_coords(idx.astype(jnp.int64), dim)
     return x[coords].reshape(index.shape)
 
 
-def _scatter(self: Any, dim: int, index: Any, src: Any, reduce: str, include_self: bool = True,
+def _scatter(op: str, self: Any, dim: int, index: Any, src: Any, reduce: str, include_self: bool = True,
              src_is_tensor: bool = True) -> Any:
     dim = _wrap_dim(dim, self.ndim)
     x, idx = _nonempty(self), _nonempty(index)
@@ -338,6 +331,7 @@ def _scatter(self: Any, dim: int, index: Any, src: Any, reduce: str, include_sel
                 f"Expected index {list(index.shape)} to be no larger than self {list(self.shape)} apart from "
                 f"dimension {dim} and to be no larger size than src {list(src.shape)}"
             )
+    report_bad_index(op, idx, x.shape[dim], dim, error=RuntimeError)
     values = _region(src, tuple(idx.shape)).astype(x.dtype)
     coords = _scatter_coords(idx, dim)
     if reduce == "set":
@@ -363,32 +357,33 @@ def _scatter_reduce_name(reduce: str) -> str:
 @lower("scatter.src")
 def scatter_src(self: Any, dim: int, index: Any, src: Any) -> Any:
     _check_index_dims("scatter", self, dim, index, src)
-    return _scatter(self, dim, index, src, "set")
+    return _scatter("scatter", self, dim, index, src, "set")
 
 
 @lower("scatter.value")
 def scatter_value(self: Any, dim: int, index: Any, value: Any) -> Any:
     _check_index_dims("scatter", self, dim, index)
-    return _scatter(self, dim, index, jnp.asarray(value).astype(self.dtype), "set", src_is_tensor=False)
+    return _scatter("scatter", self, dim, index, jnp.asarray(value).astype(self.dtype), "set",
+                    src_is_tensor=False)
 
 
 @lower("scatter.reduce")
 def scatter_reduce_src(self: Any, dim: int, index: Any, src: Any, reduce: str) -> Any:
     _check_index_dims("scatter", self, dim, index, src)
-    return _scatter(self, dim, index, src, _scatter_reduce_name(reduce))
+    return _scatter("scatter", self, dim, index, src, _scatter_reduce_name(reduce))
 
 
 @lower("scatter.value_reduce")
 def scatter_value_reduce(self: Any, dim: int, index: Any, value: Any, reduce: str) -> Any:
     _check_index_dims("scatter", self, dim, index)
-    return _scatter(self, dim, index, jnp.asarray(value).astype(self.dtype), _scatter_reduce_name(reduce),
-                    src_is_tensor=False)
+    return _scatter("scatter", self, dim, index, jnp.asarray(value).astype(self.dtype),
+                    _scatter_reduce_name(reduce), src_is_tensor=False)
 
 
 @lower("scatter_add")
 def scatter_add(self: Any, dim: int, index: Any, src: Any) -> Any:
     _check_index_dims("scatter_add", self, dim, index, src)
-    return _scatter(self, dim, index, src, "sum")
+    return _scatter("scatter_add", self, dim, index, src, "sum")
 
 
 @lower("scatter_reduce.two")
@@ -396,7 +391,7 @@ def scatter_reduce(self: Any, dim: int, index: Any, src: Any, reduce: str, inclu
     _check_index_dims("scatter_reduce", self, dim, index, src)
     if reduce not in ("sum", "prod", "mean", "amax", "amin"):
         raise RuntimeError(f"reduce argument must be either sum, prod, mean, amax or amin, got {reduce}")
-    return _scatter(self, dim, index, src, reduce, include_self)
+    return _scatter("scatter_reduce", self, dim, index, src, reduce, include_self)
 
 
 # ---- the index_* family (a 1-d index along one dim) ----
@@ -430,6 +425,7 @@ def index_select(self: Any, dim: int, index: Any) -> Any:
     if index.ndim > 1:
         raise IndexError("index_select(): Index is supposed to be a vector")
     dim = _wrap_dim(dim, self.ndim)
+    report_bad_index("index_select", index, self.shape[dim] if self.ndim else 1, dim)
     if self.ndim == 0:
         return jnp.take(self.reshape(1), index.reshape(()), axis=0)
     if index.size == 0 or self.shape[dim] == 0:
@@ -448,6 +444,7 @@ def index_add(self: Any, dim: int, index: Any, source: Any, alpha: Any = 1) -> A
             "must have the same scalar type"
         )
     dim = _wrap_dim(dim, self.ndim)
+    report_bad_index("index_add_", index, self.shape[dim] if self.ndim else 1, dim, error=RuntimeError)
     src = (_source_slices(source, dim, source.dtype) * alpha).astype(self.dtype)
     return _along(self, dim, index, src, "sum")
 
@@ -464,6 +461,7 @@ def index_copy(self: Any, dim: int, index: Any, source: Any) -> Any:
             f"{_dtype_name(self.dtype)} and (source) {_dtype_name(source.dtype)}"
         )
     dim = _wrap_dim(dim, self.ndim)
+    report_bad_index("index_copy_", index, self.shape[dim] if self.ndim else 1, dim)
     return _along(self, dim, index, _source_slices(source, dim, self.dtype), "set")
 
 
@@ -478,6 +476,7 @@ def index_fill(self: Any, dim: int, index: Any, value: Any) -> Any:
     if index.dtype != jnp.int64:
         raise IndexError("index_fill_(): Expected dtype int64 for index.")
     dim = _wrap_dim(dim, self.ndim)
+    report_bad_index("index_fill_", index, self.shape[dim] if self.ndim else 1, dim, negative=True)
     return _along(self, dim, index, jnp.asarray(value).astype(self.dtype), "set")
 
 
@@ -492,6 +491,7 @@ def index_reduce(self: Any, dim: int, index: Any, source: Any, reduce: str, incl
             "must have the same scalar type"
         )
     dim = _wrap_dim(dim, self.ndim)
+    report_bad_index("index_reduce_", index, self.shape[dim] if self.ndim else 1, dim)
     src = _source_slices(source, dim, self.dtype)
     x = self
     if not include_self:
@@ -549,9 +549,13 @@ def masked_scatter(self: Any, mask: Any, source: Any) -> Any:
     x = jnp.broadcast_to(self, shape)
     m = jnp.broadcast_to(mask, shape).reshape(-1)
     src = source.reshape(-1)
+    need = jnp.cumsum(m.astype(jnp.int64)) - 1  # the source element each masked position takes
+    report_bad_index("masked_scatter_", jnp.where(m, need, 0), src.size, error=RuntimeError,
+                     message="{op}(): Number of elements of source < number of ones in mask (source has {size} "
+                     "elements; element {value} was needed)")
     if src.size == 0:
         return x
-    pos = jnp.clip(jnp.cumsum(m.astype(jnp.int64)) - 1, 0, src.size - 1)
+    pos = jnp.clip(need, 0, src.size - 1)
     return jnp.where(m, src[pos], x.reshape(-1)).reshape(shape)
 
 
@@ -586,6 +590,9 @@ def nonzero_static(self: Any, size: int, fill_value: int = -1) -> Any:
 
 # ---- flat take / put ----
 
+_FLAT_OUT_OF_RANGE = "{op}(): out of range: tried to access index {value} on a tensor of {size} elements."
+
+
 def _flat_index(index: Any, n: int) -> Any:
     index = index.astype(jnp.int64)
     return jnp.where(index < 0, index + n, index)
@@ -596,6 +603,7 @@ def take(self: Any, index: Any) -> Any:
     if index.dtype != jnp.int64:
         raise RuntimeError(f"take(): Expected a long tensor for index, but got {_dtype_name(index.dtype)}")
     flat = self.reshape(-1)
+    report_bad_index("take", index, flat.size, negative=True, message=_FLAT_OUT_OF_RANGE)
     if flat.size == 0:
         return jnp.zeros(index.shape, self.dtype)
     return jnp.take(flat, _flat_index(index, flat.size), mode="clip")
@@ -618,6 +626,7 @@ def put(self: Any, index: Any, source: Any, accumulate: bool = False) -> Any:
     flat = self.reshape(-1)
     if index.size == 0:
         return self
+    report_bad_index("put_", index, flat.size, negative=True, message=_FLAT_OUT_OF_RANGE)
     ref = flat.at[_flat_index(index.reshape(-1), flat.size)]
     vals = source.reshape(-1)
     return (_scatter_apply(ref, "sum", vals) if accumulate else ref.set(vals)).reshape(self.shape)

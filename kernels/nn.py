@@ -20,6 +20,7 @@ import torch
 
 
 from torch_tpu import _C, _deferred, _runtime, _storage
+from torch_tpu._checks import report_bad_index
 from torch_tpu._jax import jax, jnp, lax
 from torch_tpu.kernels.creation import _key, _philox
 from torch_tpu.kernels.registry import DEFAULT, direct, lower, wrap_arrays, write_outs
@@ -408,6 +409,9 @@ def _max_unpool(self: Any, indices: Any, output_size: Sequence[int]) -> Any:
     lead = self.shape[: self.ndim - nd]
     planes = math.prod(lead)
     out = jnp.zeros((planes, math.prod(output_size)), self.dtype)
+    sizes = "x".join(str(s) for s in output_size)
+    report_bad_index(f"max_unpool{nd}d", indices, math.prod(output_size), error=RuntimeError,
+                     message="{op}(): Found an invalid max index: {value} (output volumes are of size " + sizes + ")")
     out = out.at[jnp.arange(planes)[:, None], indices.reshape(planes, -1)].set(self.reshape(planes, -1))
     return out.reshape(tuple(lead) + tuple(output_size))
 
@@ -1059,6 +1063,8 @@ def _check_nll(self: Any, target: Any, weight: Any, spatial: bool) -> None:
 
 
 def _nll_forward(self: Any, target: Any, weight: Any, reduction: int, ignore_index: int) -> tuple[Any, Any]:
+    report_bad_index("nll_loss", jnp.where(target != ignore_index, target, 0), self.shape[1 if self.ndim > 1 else 0],
+                     message="{op}(): Target {value} is out of bounds.")
     loss, w = _nll(self, target, weight, ignore_index)
     if reduction == 0:
         return loss.reshape(target.shape).astype(self.dtype), jnp.zeros((), self.dtype)
@@ -1200,6 +1206,8 @@ def _multi_margin_terms(self: Any, target: Any, p: Any, margin: Any, weight: Any
 @lower("multi_margin_loss")
 def multi_margin_loss(self: Any, target: Any, p: Any = 1, margin: Any = 1, weight: Any = None,
                       reduction: int = 1) -> Any:
+    report_bad_index("multi_margin_loss", target, self.shape[-1] if self.ndim else 1, error=RuntimeError,
+                     message="{op}(): target out of range: target {value} with {size} classes")
     x, z, w, _ = _multi_margin_terms(self, target, p, margin, weight)
     per = jnp.sum(jnp.where(p == 1, z, z * z) * w, axis=1) / x.shape[1]
     if reduction == 0 and self.ndim <= 1:
@@ -1224,6 +1232,7 @@ def embedding_dense_backward(
 ) -> Any:
     dim = grad_output.shape[-1]
     idx = indices.reshape(-1)
+    report_bad_index("embedding_backward", idx, num_weights)
     g = _opmath(grad_output).reshape(-1, dim)
     g = jnp.where((idx == padding_idx)[:, None], 0, g)
     if scale_grad_by_freq:

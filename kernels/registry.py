@@ -27,7 +27,7 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 from torch._prims_common.wrappers import _maybe_resize_out
 
-from torch_tpu import _C, _deferred, _metrics, _runtime, _storage
+from torch_tpu import _C, _checks, _deferred, _metrics, _runtime, _storage
 
 _fast_args = _C._fast_args
 _wrap = _C._wrap
@@ -324,12 +324,13 @@ class OpKernel:
         fn = self._jits.get(key)
         if fn is None:
             run = self._traced(static, out_dtype)
+            # (_checks.jit / _checks.eager: index checks the lowering reports are registered after each call)
             if not self.lowering.jit:
-                fn = run
+                fn = _checks.eager(run)
             elif has_arrays:
-                fn = jax.jit(run)
+                fn = _checks.jit(run)
             else:  # nothing to follow: place the result on the op's device
-                fn = jax.jit(run, out_shardings=jax.sharding.SingleDeviceSharding(_runtime.device(index)))
+                fn = _checks.jit(run, out_shardings=jax.sharding.SingleDeviceSharding(_runtime.device(index)))
             self._jits[key] = fn
         return index, fn(*dyn)
 
@@ -397,7 +398,7 @@ class OpKernel:
             given_args._torch_tpu_op = f"aten::{self.name}"  # type: ignore[attr-defined]
             self._fast_rec[key] = ((self.name, "fast", key), given_args)
         else:
-            self._fast[key] = jax.jit(given_args)
+            self._fast[key] = _checks.jit(given_args)
 
     def inplace(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import torch
 
 from torch_tpu import _runtime
+from torch_tpu._checks import report_bad_index
 from torch_tpu._jax import jax, jnp, lax
 from torch_tpu.kernels.registry import lower, next_trace_key
 
@@ -314,6 +315,7 @@ def arange(end: Any = None, start: Any = 0, step: Any = 1, dtype: torch.dtype | 
 @lower("embedding", **_T)
 def embedding(weight: Any, indices: Any, padding_idx: int = -1, scale_grad_by_freq: bool = False,
               sparse: bool = False) -> Any:
+    report_bad_index("embedding", indices, weight.shape[0])
     return jnp.take(weight, indices, axis=0)
 
 

@@ -232,7 +232,7 @@ def test_indexing_with_cpu_index_tensors() -> None:
     t[idx, 1] = -1.0
     c[idx, 1] = -1.0
     torch.testing.assert_close(t.cpu(), c)
-    with pytest.raises(IndexError, match="out of bounds"):
-        t[torch.tensor([5])]
+    with pytest.raises(IndexError, match="out of bounds"):  # checked on the device: raised at the next sync
+        t[torch.tensor([5])].cpu()
     with pytest.raises(RuntimeError, match="same device"):
         torch.index_select(t, 0, idx)

@@ -550,9 +550,59 @@ def bench_compile() -> None:
               f" jax/compiled {r['jax'] / r['compiled']:.2f}x (target <= 1.15x)")
 
 
+def bench_index_checks() -> None:
+    """Cost of the device-side index checks (torch_tpu/_checks.py): an embedding + gather training step (forward
+    and backward, waiting for the loss each step) with the checks on vs off (the unsafe opt-out
+    TORCH_TPU_INDEX_CHECKS=0), in DEFER_NEVER, DEFER_AND_FUSE and torch.compile(backend="tpu") (target < 1.1x in
+    the fused and compiled programs)."""
+    from torch_tpu import _checks
+
+    print(f"index_checks  platform={torch.tpu.get_device_name()}  (median of interleaved trials; each step waits)")
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(4096, 128).to("tpu")
+    head = torch.nn.Linear(128, 512).to("tpu")
+    ids = torch.randint(0, 4096, (32, 64), device="tpu")
+    tgt = torch.randint(0, 512, (32, 64, 1), device="tpu")
+
+    def forward(ids: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        logp = head(emb(ids)).log_softmax(-1)
+        return -logp.gather(-1, tgt).mean()
+
+    compiled = torch.compile(forward, backend="tpu", dynamic=False)
+
+    def step(fwd: Callable[..., torch.Tensor]) -> Callable[[], float]:
+        def run() -> float:
+            emb.weight.grad = head.weight.grad = head.bias.grad = None
+            loss = fwd(ids, tgt)
+            loss.backward()
+            return loss.item()
+        return run
+
+    calls, trials = 10, 15
+    for label, mode, fwd in (("DEFER_NEVER", "DEFER_NEVER", forward), ("DEFER_AND_FUSE", "DEFER_AND_FUSE", forward),
+                             ("torch.compile", "DEFER_NEVER", compiled)):
+        run = step(fwd)
+        samples: dict[bool, list[float]] = {True: [], False: []}
+        with torch.tpu.set_eager_mode(mode):
+            for on in (True, False):  # warm-up: compile both programs
+                _checks.set_enabled(on)
+                for _ in range(3):
+                    run()
+            for _ in range(trials):
+                for on in (True, False):
+                    _checks.set_enabled(on)
+                    samples[on].append(per_call_us(run, calls))
+        _checks.set_enabled(True)
+        on_us, off_us = statistics.median(samples[True]), statistics.median(samples[False])
+        best = min(samples[True]) / min(samples[False])  # the fastest trials: less sensitive to a loaded machine
+        print(f"  {label:<15} checked {on_us:8.1f} us/step  unchecked {off_us:8.1f} us/step  "
+              f"-> checked/unchecked {on_us / off_us:.3f}x (fastest trials {best:.3f}x)"
+              + ("" if label == "DEFER_NEVER" else "  (target < 1.1x)"))
+
+
 BENCHMARKS = {"eager_overhead": bench_eager_overhead, "op_overhead": bench_op_overhead, "training": bench_training,
               "fuse": bench_fuse, "cold_start": bench_cold_start, "compile": bench_compile,
-              "all_reduce": bench_all_reduce}
+              "all_reduce": bench_all_reduce, "index_checks": bench_index_checks}
 
 
 def main(argv: list[str]) -> int:

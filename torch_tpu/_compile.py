@@ -43,7 +43,7 @@ import torch.fx
 from torch._dynamo.device_interface import DeviceInterface, register_interface_for_device
 from torch._dynamo.utils import counters
 
-from torch_tpu import _C, _deferred, _runtime, _storage, device_module
+from torch_tpu import _C, _checks, _deferred, _runtime, _storage, device_module
 from torch_tpu._jax import jax
 from torch_tpu.kernels import registry
 
@@ -475,22 +475,29 @@ class _GraphProgram:
         # Random ops (dropout...): each call draws a (seed, offset) from the device's tpu generator, as eager does.
         self.random = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
                           and torch.Tag.nondeterministic_seeded in n.target.tags for n in self.nodes)
+        # Two programs: with the index checks (the default) and without (the unsafe opt-out, see _checks).
         if self.tensor_idx:  # the program runs where its inputs are
-            self.jitted = jax.jit(self._run, static_argnums=0)
+            self.jitted, self.unchecked = (jax.jit(self._run, static_argnums=0) for _ in range(2))
         else:  # nothing to follow: place the outputs on the graph's device
-            self.jitted = jax.jit(self._run, static_argnums=0,
-                                  out_shardings=jax.sharding.SingleDeviceSharding(_runtime.device(self.index)))
+            where = jax.sharding.SingleDeviceSharding(_runtime.device(self.index))
+            self.jitted, self.unchecked = (jax.jit(self._run, static_argnums=0, out_shardings=where)
+                                           for _ in range(2))
         self.dumped: set[tuple] = set()
 
     # -- the traced function: the FX interpreter over JAX values --
-    def _run(self, statics: tuple, *arrays: Any) -> tuple[tuple, tuple]:
-        if not self.random:
-            return self._interpret(statics, arrays)
-        seed, offset = arrays[-2:]
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), (offset & 0xFFFFFFFF).astype("uint32")),
-                                 (offset >> 32).astype("uint32"))
-        with registry.trace_random(key):
-            return self._interpret(statics, arrays[:-2])
+    def _run(self, statics: tuple, *arrays: Any) -> tuple[tuple, tuple, dict]:
+        # The index checks of the graph's ops are outputs of the program (registered after each call).
+        with _checks.collecting() as checks:
+            if not self.random:
+                outs, muts = self._interpret(statics, arrays)
+            else:
+                seed, offset = arrays[-2:]
+                key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed),
+                                                            (offset & 0xFFFFFFFF).astype("uint32")),
+                                         (offset >> 32).astype("uint32"))
+                with registry.trace_random(key):
+                    outs, muts = self._interpret(statics, arrays[:-2])
+        return outs, muts, dict(checks)
 
     def _interpret(self, statics: tuple, arrays: tuple) -> tuple[tuple, tuple]:
         env: dict[torch.fx.Node, Any] = {}
@@ -561,7 +568,7 @@ class _GraphProgram:
     # -- the call --
     def boxed(self) -> Callable[[list], Any]:
         tensor_idx, static_idx, mutated = self.tensor_idx, self.static_idx, self.mutated
-        constants, index, jitted, out_spec = self.constants, self.index, self.jitted, self.out_spec
+        constants, index, out_spec = self.constants, self.index, self.out_spec
         out_tuple, out_values = self.out_tuple, self.out_values
         host, host_feeds, host_mutations = self.host, self.host_feeds, self.host_mutations
 
@@ -578,7 +585,9 @@ class _GraphProgram:
                 self._dump(statics, arrays)
             if statics not in out_values:
                 counters["tpu"]["xla_programs"] += 1
-            outs, muts = jitted(statics, *arrays, *constants)
+            outs, muts, checks = (self.jitted if _checks.enabled else self.unchecked)(statics, *arrays, *constants)
+            if checks:
+                _checks.register(checks)
             for i, node in host_mutations:
                 _write_host_mutation(args[i], henv[node])
             for i, m in zip(mutated, muts):

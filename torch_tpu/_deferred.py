@@ -27,7 +27,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
-from torch_tpu import _metrics
+from torch_tpu import _checks, _metrics
 from torch_tpu._jax import jax
 
 
@@ -322,7 +322,8 @@ def _node_info(fkey: Any, fn: Callable[..., Any], specs: tuple, sig: tuple, inpu
         shaped = compile_cache.get_meta("shape", atext) if atext is not None else None
         if shaped is None:
             abstract = [_abstract(s, gs, inputs) for s, gs in zip(specs, sig)]
-            shaped = jax.tree_util.tree_flatten(jax.eval_shape(fn, *abstract))
+            with _checks.discarding():  # shapes only: index checks reported here belong to no program
+                shaped = jax.tree_util.tree_flatten(jax.eval_shape(fn, *abstract))
             shaped = ([(tuple(a.shape), a.dtype, bool(getattr(a, "weak_type", False))) for a in shaped[0]],
                       shaped[1])
             if atext is not None:
@@ -353,11 +354,12 @@ def _replay(nodes: list[tuple[Callable[..., Any], tuple, Any]], outs: tuple[tupl
             return [value(s, inputs, env) for s in spec[1]]
         return spec[1]
 
-    def fused(*inputs: Any) -> list[Any]:
+    def fused(*inputs: Any) -> tuple[list[Any], dict[str, Any]]:
         env: list[list[Any]] = []
-        for fn, specs, _ in nodes:
-            env.append(jax.tree_util.tree_leaves(fn(*(value(s, inputs, env) for s in specs))))
-        return [env[n][o] for n, o in outs]
+        with _checks.collecting() as checks:  # the ops' index checks become outputs of the program
+            for fn, specs, _ in nodes:
+                env.append(jax.tree_util.tree_leaves(fn(*(value(s, inputs, env) for s in specs))))
+        return [env[n][o] for n, o in outs], dict(checks)
 
     return fused
 
@@ -376,7 +378,7 @@ def flush(g: _Graph | None, reason: str) -> None:
             return  # nothing can read any result: nothing to run
         outs = tuple((p.node, p.out) for p in alive)
         donate = _donatable(g.inputs, alive)
-        key = (tuple(g.keys), outs, donate)
+        key = (tuple(g.keys), outs, donate, _checks.enabled)
         fn = _fused.get(key)
         try:
             if fn is None:
@@ -385,7 +387,7 @@ def flush(g: _Graph | None, reason: str) -> None:
                     _fused.popitem(last=False)
             else:
                 _fused.move_to_end(key)
-            results = fn(*g.inputs)
+            results, checks = fn(*g.inputs)
         except BaseException as e:
             for p in alive:
                 p.error = e
@@ -398,6 +400,7 @@ def flush(g: _Graph | None, reason: str) -> None:
         for p, r in zip(alive, results):
             p.value = r
             p.graph = None
+    _checks.register(checks)
 
 
 _ARRAY_TYPE: list[type] = []
@@ -444,7 +447,7 @@ def _fused_program(g: _Graph, outs: tuple, donate: tuple[int, ...]) -> Callable[
                  for a in g.inputs]
         device = _runtime.device(g.index)
         text = repr((texts, outs, donate, specs, device.platform, device.device_kind, device.id,
-                     jax.process_count()))
+                     jax.process_count(), _checks.enabled))
         loaded = compile_cache.load_executable(text, device)
         if loaded is not None and (device.platform != "cpu" or _runs(loaded, g.inputs, text)):
             return loaded
@@ -525,7 +528,7 @@ class Jitted:
             from torch_tpu import _runtime
 
             kwargs.setdefault("out_shardings", jax.sharding.SingleDeviceSharding(_runtime.device(self.index)))
-        self._jitted = jax.jit(self.fn, **kwargs)
+        self._jitted = _checks.jit(self.fn, **kwargs)  # index checks its trace reports are registered
 
     def _index(self, args: tuple) -> int:
         if self.index is not None:

@@ -213,11 +213,14 @@ def upload(t: torch.Tensor, index: int) -> Any:
 
 
 def download(arr: Any) -> torch.Tensor:
-    """A CPU tensor with the values of the device array `arr` (waits for it)."""
-    from torch_tpu import _deferred, _metrics
+    """A CPU tensor with the values of the device array `arr` (waits for it). A synchronization point: an
+    out-of-range index of an earlier op raises here (torch_tpu/_checks.py)."""
+    from torch_tpu import _checks, _deferred, _metrics
 
     _metrics.tick()
-    np_arr = np.asarray(_deferred.concrete(arr))
+    arr = _deferred.concrete(arr)
+    _checks.raise_pending()
+    np_arr = np.asarray(arr)
     dtype = torch_dtype(np_arr.dtype)
     as_int = _VIEW_AS_INT.get(dtype)
     if as_int is not None:
@@ -234,7 +237,7 @@ def synchronize(index: int | None = None) -> None:
         return
     import jax
 
-    from torch_tpu import _deferred, _metrics
+    from torch_tpu import _checks, _deferred, _metrics
 
     _metrics.tick()
     _deferred.flush_all("synchronize")
@@ -242,3 +245,4 @@ def synchronize(index: int | None = None) -> None:
     for a in jax.live_arrays():
         if want is None or want in a.devices():
             a.block_until_ready()
+    _checks.raise_pending()  # an out-of-range index of an earlier op raises here (torch_tpu/_checks.py)

@@ -1,0 +1,243 @@
+"""Value-dependent errors (index bounds) computed on the device and raised at the next synchronization point.
+
+CPU PyTorch raises at the op when an index is out of range; CUDA raises a device-side assert that surfaces at the
+next synchronization. torch_tpu does what CUDA does, without a host round trip per op:
+
+- The lowering side reports. While a lowering is traced, it calls `report_bad_index(op, index, size, ...)`: that
+  computes, inside the same traced program, a tiny int64 flag `[any_bad, first_bad_value]` and appends it, with
+  the error's static text, to the collector of the trace being built (thread-local). A kernel never asks which
+  mode is on.
+- The executor side collects. Every executor traces its programs under `collecting()` and returns the flags as
+  extra program outputs: a dict whose keys carry the static text (keys are part of the output's tree structure,
+  so the text comes back on every cache hit and with a program loaded from the on-disk store). After a call, the
+  executor hands the concrete flags to `register()`; `jit()` does both for jitted per-op callables.
+- At every synchronization point (`_runtime.download`: `.cpu()`, `.item()`, printing; `torch.tpu.synchronize()`)
+  `raise_pending()` reads all pending flags with one `jax.device_get` and raises the first bad one as the
+  exception CPU raises (IndexError or RuntimeError), naming the op, the index, the dimension and the size. Under
+  DEFER_NEVER_AND_LAUNCH_BLOCKING the flags are read right after the op. The pending list is bounded: past
+  `_MAX_PENDING` flags the oldest half is read (those ops are done by then).
+
+`TORCH_TPU_INDEX_CHECKS=0` (or `set_enabled(False)`) turns the checks off: an UNSAFE opt-out that exists to
+measure their cost (tools/bench.py); out-of-range indices then give unspecified values silently.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable
+
+from torch_tpu._jax import jax, jnp
+
+enabled = os.environ.get("TORCH_TPU_INDEX_CHECKS", "1").strip().lower() not in ("0", "false", "off", "no")
+_MAX_PENDING = 256
+
+_tls = threading.local()  # .found: the collector (dict) of the trace being built on this thread, or None
+_lock = threading.Lock()
+_pending: list[tuple[str, Any]] = []  # (static text key, concrete flag array), oldest first
+
+
+def set_enabled(on: bool) -> bool:
+    """Turns the device-side index checks on or off (off is unsafe: for measuring their cost); returns the old
+    setting. Executors key their compiled programs on it, so switching does not reuse a program of the other kind."""
+    global enabled
+    old, enabled = enabled, bool(on)
+    return old
+
+
+# ---- the lowering side ----
+
+def _flag(index: Any, lo: int, hi: int) -> Any:
+    flat = index.reshape(-1).astype(jnp.int64)
+    bad = (flat < lo) | (flat >= hi)
+    first = jnp.argmax(bad)
+    return jnp.stack([bad[first].astype(jnp.int64), flat[first]])
+
+
+_FLAG_JIT: list[Any] = []  # made on first use (importing torch_tpu must not import JAX)
+
+
+def _flag_jit(index: Any, lo: int, hi: int) -> Any:
+    if not _FLAG_JIT:
+        _FLAG_JIT.append(jax.jit(_flag, static_argnums=(1, 2)))
+    return _FLAG_JIT[0](index, lo, hi)
+
+
+# Trace-time texts: where `{value}` stands, the bad index is written when the error is raised.
+_DEFAULT = "{op}(): index {value} is out of bounds for dimension {dim} with size {size}"
+
+
+def report_bad_index(op: str, index: Any, size: int, dim: int = 0, *, negative: bool = False,
+                     error: type[Exception] = IndexError, message: str | None = None) -> None:
+    """Checks, on the device, that every element of the integer array `index` lies in [0, size) (or in
+    [-size, size) with `negative`). Called by lowerings while they are traced; the error (type `error`, text
+    `message` with {op}, {dim}, {size} and {value} filled in) is raised at the next synchronization point."""
+    if not enabled or getattr(index, "size", 1) == 0:
+        return
+    found = getattr(_tls, "found", None)
+    text = (message or _DEFAULT).replace("{op}", op).replace("{dim}", str(dim)).replace("{size}", str(size))
+    lo = -size if negative else 0
+    if found is None:
+        if isinstance(index, jax.core.Tracer):
+            raise RuntimeError(
+                f"torch_tpu internal error: {op}'s index check was traced outside an executor that collects "
+                "device-side checks (trace it under torch_tpu._checks.collecting())")
+        register({f"0000|{error.__name__}|{text}": _flag_jit(index, lo, size)})
+        return
+    if found is _DISCARD:
+        return
+    flag = _flag(index, lo, size) if isinstance(index, jax.core.Tracer) else _flag_jit(index, lo, size)
+    found[f"{len(found):04d}|{error.__name__}|{text}"] = flag
+
+
+# ---- the executor side ----
+
+_DISCARD: dict = {}
+
+
+class collecting:
+    """`with collecting() as found:` the checks reported by lowerings traced inside land in the dict `found`
+    (static text -> flag value of this trace); return it as a program output."""
+
+    __slots__ = ("found", "saved")
+
+    def __init__(self, discard: bool = False) -> None:
+        self.found: dict[str, Any] = _DISCARD if discard else {}
+
+    def __enter__(self) -> dict[str, Any]:
+        self.saved = getattr(_tls, "found", None)
+        _tls.found = self.found
+        return self.found
+
+    def __exit__(self, *exc: Any) -> None:
+        _tls.found = self.saved
+
+
+def discarding() -> collecting:
+    """A trace that is never run (jax.eval_shape): reported checks are dropped."""
+    return collecting(discard=True)
+
+
+class _Checked:
+    """A traced function's result with the flags it reported (a pytree; the flags dict keys are static)."""
+
+    __slots__ = ("value", "flags")
+
+    def __init__(self, value: Any, flags: dict[str, Any]) -> None:
+        self.value = value
+        self.flags = flags
+
+
+_REGISTERED: list[bool] = []
+
+
+def _register_pytree() -> None:
+    if not _REGISTERED:
+        jax.tree_util.register_pytree_node(_Checked, lambda c: ((c.value, c.flags), None),
+                                           lambda _, children: _Checked(*children))
+        _REGISTERED.append(True)
+
+
+def _collect_trace(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def traced(*args: Any) -> Any:
+        with collecting() as found:
+            out = fn(*args)
+        return _Checked(out, dict(found)) if found else out
+
+    traced.__name__ = getattr(fn, "__name__", "traced")
+    traced.__qualname__ = getattr(fn, "__qualname__", traced.__name__)
+    return traced
+
+
+def jit(fn: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
+    """`jax.jit(fn)` for a per-op callable whose trace may report checks: calls return `fn`'s result and
+    register the flags its program computed."""
+    _register_pytree()
+    on = jax.jit(_collect_trace(fn), **jit_kwargs)
+    off = jax.jit(fn, **jit_kwargs)
+
+    def call(*args: Any) -> Any:
+        out = (on if enabled else off)(*args)
+        if type(out) is _Checked:
+            register(out.flags)
+            return out.value
+        return out
+
+    call.lower = lambda *a: (on if enabled else off).lower(*a)  # type: ignore[attr-defined]
+    return call
+
+
+def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A lowering run on concrete arrays (data-dependent shapes): checks it reports are registered after it."""
+    def call(*args: Any) -> Any:
+        with collecting() as found:
+            out = fn(*args)
+        if found:
+            register(found)
+        return out
+
+    return call
+
+
+def register(flags: dict[str, Any]) -> None:
+    """Hands the concrete flags a program computed to the pending list (read at the next synchronization point;
+    right away under DEFER_NEVER_AND_LAUNCH_BLOCKING)."""
+    if not flags:
+        return
+    with _lock:
+        _pending.extend(flags.items())
+        over = len(_pending) > _MAX_PENDING
+    if _launch_blocking():
+        raise_pending(at_op=True)
+    elif over:
+        with _lock:
+            oldest = _pending[:_MAX_PENDING // 2]
+            del _pending[:_MAX_PENDING // 2]
+        _raise_first(oldest, at_op=False)
+
+
+def _launch_blocking() -> bool:
+    from torch_tpu import _deferred
+
+    return _deferred.mode == _deferred.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+
+
+def raise_pending(at_op: bool = False) -> None:
+    """Reads every pending flag (one device_get) and raises the first out-of-range index found; the flags read
+    are cleared, so an error is raised once and later work is not affected."""
+    if not _pending:
+        return
+    with _lock:
+        items = _pending[:]
+        _pending.clear()
+    _raise_first(items, at_op)
+
+
+def _raise_first(items: list[tuple[str, Any]], at_op: bool) -> None:
+    if not items:
+        return
+    values = jax.device_get([a for _, a in items])
+    for (key, arr), v in zip(items, values):
+        if int(v[0]):
+            _, error, text = key.split("|", 2)
+            raise _error(error, text.replace("{value}", str(int(v[1]))), arr, at_op)
+
+
+def _error(error: str, text: str, arr: Any, at_op: bool) -> Exception:
+    from torch_tpu import _runtime
+
+    try:
+        where = f"tpu:{_runtime.index_of(arr)}"
+    except Exception:  # noqa: BLE001 - the device only decorates the message
+        where = "tpu"
+    if at_op:
+        when = f"detected on {where} at the op (DEFER_NEVER_AND_LAUNCH_BLOCKING)"
+    else:
+        when = (f"detected on {where} at the next synchronization point; run with "
+                "TORCH_TPU_EAGER_MODE=DEFER_NEVER_AND_LAUNCH_BLOCKING to raise at the op")
+    cls = IndexError if error == "IndexError" else RuntimeError
+    return cls(f"{text} ({when})")
+
+
+def pending_count() -> int:
+    return len(_pending)
