@@ -66,8 +66,16 @@ class CompileCacheError(RuntimeError):
     """`clear` or `prune` could not do their work: the directory is not a folder, or files cannot be removed."""
 
 
+_ON = ("", "1", "true", "on", "yes")
+_OFF = ("0", "false", "off", "no")
+
+
 def enabled() -> bool:
-    return os.environ.get("TORCH_TPU_CACHE", "1").strip().lower() not in ("0", "false", "off", "no")
+    raw = os.environ.get("TORCH_TPU_CACHE", "").strip().lower()
+    if raw not in _ON + _OFF:
+        raise RuntimeError(f"TORCH_TPU_CACHE={raw!r} is not understood: use 0 (or false, off, no) to turn the "
+                           "compile cache off, or 1 (or true, on, yes, unset) to keep it on.")
+    return raw not in _OFF
 
 
 def cache_dir() -> str:
