@@ -9,7 +9,7 @@ import io
 
 import torch
 
-from conftest import rss_bytes
+from conftest import rss_bytes, run_python
 
 
 def _pair(shape=(3, 4), dtype=torch.float32):
@@ -188,7 +188,7 @@ def test_no_growth_over_10000_create_free_cycles() -> None:
 # ---- data pointers: unique names that fault on a stray CPU read, with or without an address-space limit ----
 
 _BASELINE = """
-import resource, torch, jax, jax.numpy as jnp
+import torch, jax, jax.numpy as jnp
 jnp.ones(3).block_until_ready(); (torch.ones(3) + 1).sum()
 with open('/proc/self/status') as f:
     print(next(int(l.split()[1]) * 1024 for l in f if l.startswith('VmPeak')))
@@ -197,11 +197,6 @@ with open('/proc/self/status') as f:
 
 def _limited(code: str, limit: int | None, timeout: int = 300):
     """Runs `code` in a fresh interpreter under RLIMIT_AS=`limit` (None: unlimited)."""
-    import subprocess
-    import sys
-
-    from conftest import run_python
-
     if limit is None:
         return run_python(code, timeout=timeout)
     wrapper = f"import resource; resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))\n"
