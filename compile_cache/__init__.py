@@ -7,9 +7,13 @@ It plugs into JAX's own persistent compilation cache: JAX computes the key (the 
 options, XLA flags, jax/jaxlib versions, platform version and the devices' kind) and serialises the
 executable; `DiskCache` is the storage JAX writes through, adding what JAX's file cache lacks:
 - the torch_tpu, jax, jaxlib and libtpu versions mixed into the key, so a stale executable is never reused;
-- atomic writes (a temporary file renamed into place): readers in other processes never see a torn entry;
-- a checksum per entry: a corrupt or truncated entry is deleted, reported (a `CompileCacheWarning`) and
-  recompiled, never loaded;
+- atomic writes (a temporary file `.tmp-<host>-<pid>-...` renamed into place): readers in other processes
+  never see a torn entry; `prune` and `clear` remove the temporary files of writers that died;
+- a checksum per entry, and the entry's full key stored in it: a corrupt or truncated entry, or a whole one
+  found under another entry's name, is deleted, reported (a `CompileCacheWarning`) and recompiled, never
+  loaded (entries of an older format are misses and are replaced);
+- a directory that cannot be written (read-only, full, removed) costs one warning: the process goes on
+  compiling without storing new entries;
 - least-recently-used eviction under a size cap (a hit refreshes an entry's modification time);
 - statistics: `torch.tpu.compile_cache.stats()`, and `python -m torch_tpu.compile_cache info|clear|prune`.
 
@@ -23,32 +27,55 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import os
 import pickle
+import socket
 import struct
 import threading
 import time
 import warnings
 from typing import Any
 
-__all__ = ["CompileCacheWarning", "CacheStats", "DiskCache", "cache_dir", "enabled", "stats", "clear", "prune",
-           "install", "max_bytes"]
+__all__ = ["CompileCacheWarning", "CompileCacheError", "CacheStats", "DiskCache", "cache_dir", "enabled", "stats",
+           "clear", "prune", "install", "max_bytes"]
 
-_MAGIC = b"TTPUXC01"
-# magic, sha256 of the payload, payload length, compile seconds of the entry (patched in after the compile)
-_HEADER = struct.Struct("<8s32sQd")
+# An entry: header, then its full key (utf-8), then the payload. The file's name is a hash of that key, so a
+# whole entry copied or moved under another name is recognised on load (and by prune) and never used.
+_MAGIC = b"TTPUXC02"
+_OLD_MAGICS = (b"TTPUXC01",)  # older formats (no key): a miss, replaced by the next write
+# magic, sha256 of key + payload, payload length, compile seconds of the entry (patched in after the compile),
+# key length
+_HEADER = struct.Struct("<8s32sQdQ")
 _SUFFIX = ".xc"
 _COMPILE_SECONDS_OFFSET = 8 + 32 + 8
+# Temporary files: ".tmp-<host>-<pid>-<thread>-<ns>". One is stale (its writer died) when its process is gone
+# (same host) or it is older than _TEMP_MAX_AGE seconds (another host sharing the directory, a reused pid).
+_TEMP_PREFIX = ".tmp-"
+_TEMP_MAX_AGE = 3600.0
 
 
 class CompileCacheWarning(UserWarning):
-    """A cache entry could not be used (corrupt, truncated, unreadable): it was discarded and recompiled."""
+    """A cache entry could not be used (corrupt, truncated, unreadable, stored under another key): it was
+    discarded and recompiled; or the cache directory cannot be written and new programs are not stored."""
+
+
+class CompileCacheError(RuntimeError):
+    """`clear` or `prune` could not do their work: the directory is not a folder, or files cannot be removed."""
+
+
+_ON = ("", "1", "true", "on", "yes")
+_OFF = ("0", "false", "off", "no")
 
 
 def enabled() -> bool:
-    return os.environ.get("TORCH_TPU_CACHE", "1").strip().lower() not in ("0", "false", "off", "no")
+    raw = os.environ.get("TORCH_TPU_CACHE", "").strip().lower()
+    if raw not in _ON + _OFF:
+        raise RuntimeError(f"TORCH_TPU_CACHE={raw!r} is not understood: use 0 (or false, off, no) to turn the "
+                           "compile cache off, or 1 (or true, on, yes, unset) to keep it on.")
+    return raw not in _OFF
 
 
 def cache_dir() -> str:
@@ -98,6 +125,9 @@ class CacheStats:
     bytes: int  # their total size
     max_bytes: int
     compile_seconds_saved: float  # compile time the hits did not spend (as measured when each entry was written)
+    temp_files: int = 0  # temporary files of writers (in progress, or left by a writer that died)
+    stale_temp_files: int = 0  # of those, left by writers that died: prune and clear remove them
+    problem: str = ""  # what is wrong with the directory (not a folder, not writable, full), and what to do
 
     def __str__(self) -> str:
         return "\n".join(f"{k}: {v}" for k, v in dataclasses.asdict(self).items())
@@ -115,7 +145,7 @@ def _disk_usage(directory: str) -> tuple[list[tuple[float, int, str]], int]:
     total = 0
     try:
         names = os.listdir(directory)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
         return [], 0
     for name in names:
         if not name.endswith(_SUFFIX):
@@ -128,6 +158,76 @@ def _disk_usage(directory: str) -> tuple[list[tuple[float, int, str]], int]:
         entries.append((st.st_mtime, st.st_size, path))
         total += st.st_size
     return entries, total
+
+
+def _hostname() -> str:
+    return socket.gethostname().replace("/", "_") or "localhost"
+
+
+def _temp_name() -> str:
+    return f"{_TEMP_PREFIX}{_hostname()}-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
+
+
+def _temp_is_stale(name: str, mtime: float, now: float) -> bool:
+    """True when the temporary file `name` was left by a writer that died (see _TEMP_PREFIX)."""
+    if now - mtime > _TEMP_MAX_AGE:
+        return True
+    parts = name[len(_TEMP_PREFIX):].rsplit("-", 3)
+    if len(parts) != 4 or parts[0] != _hostname() or not parts[1].isdigit():
+        return False  # another host's writer (or an unknown name): only age tells
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        pass  # exists, owned by someone else
+    return False
+
+
+def _temp_files(directory: str) -> list[tuple[str, bool]]:
+    """[(path, stale)] of the temporary files in `directory`."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    now = time.time()
+    out = []
+    for name in names:
+        if name.startswith(_TEMP_PREFIX):
+            path = os.path.join(directory, name)
+            try:
+                mtime = os.stat(path).st_mtime
+            except FileNotFoundError:
+                continue
+            out.append((path, _temp_is_stale(name, mtime, now)))
+    return out
+
+
+def _directory_problem(directory: str) -> str:
+    """What keeps `directory` from working as a cache, with what to do; "" when nothing does."""
+    fix = "set TORCH_TPU_CACHE_DIR to a writable folder (or TORCH_TPU_CACHE=0 to turn the cache off)"
+    if not os.path.exists(directory):
+        parent = os.path.dirname(directory.rstrip(os.sep)) or os.sep
+        while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            return f"{directory} cannot be created: {parent} is not a directory; remove it or {fix}"
+        return ""  # created on first use
+    if not os.path.isdir(directory):
+        return f"{directory} is not a directory (a file is in its place): remove that file or {fix}"
+    if not os.access(directory, os.R_OK | os.X_OK):
+        return f"{directory} cannot be read (permission denied): fix its permissions or {fix}"
+    if not os.access(directory, os.W_OK):
+        return (f"{directory} is not writable (read-only): entries are read but not written, evicted or removed; "
+                f"fix its permissions or {fix}")
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return ""
+    if st.f_bavail * st.f_frsize < _HEADER.size + 4096:
+        return (f"the file system of {directory} is full ({st.f_bavail * st.f_frsize} bytes free): new programs "
+                f"are not stored; free space (python -m torch_tpu.compile_cache prune --max-bytes SIZE) or {fix}")
+    return ""
 
 
 class DiskCache:
@@ -145,11 +245,14 @@ class DiskCache:
         # only when this passes the cap (or every _RESCAN writes, to see other processes' writes).
         self._approx_bytes: int | None = None
         self._writes_since_scan = 0
+        # Why this process stopped writing entries (the directory became unwritable or full), or None.
+        self.write_problem: str | None = None
         os.makedirs(directory, exist_ok=True)
 
-    def _file(self, key: str, prefix: str = "") -> str:
-        digest = hashlib.sha256(f"{key}|{self.salt}".encode()).hexdigest()
-        return os.path.join(self.directory, prefix + digest + _SUFFIX)
+    def _file(self, key: str, prefix: str = "") -> tuple[str, bytes]:
+        """The entry's path and its full key (stored in the entry; the file name is its hash)."""
+        full = f"{key}|{self.salt}".encode()
+        return os.path.join(self.directory, prefix + hashlib.sha256(full).hexdigest() + _SUFFIX), full
 
     # -- JAX's interface --
     def get(self, key: str) -> bytes | None:
@@ -159,21 +262,29 @@ class DiskCache:
             with self._lock:
                 self.counters.misses += 1
             return None
-        return self._get(self._file(key), count=True)
+        return self._get(*self._file(key), count=True)
 
-    def _get(self, path: str, count: bool) -> bytes | None:
+    def _miss(self, count: bool) -> None:
+        if count:
+            with self._lock:
+                self.counters.misses += 1
+
+    def _get(self, path: str, key: bytes, count: bool) -> bytes | None:
         try:
             with open(path, "rb") as f:
                 data = f.read()
-        except FileNotFoundError:
-            if count:
-                with self._lock:
-                    self.counters.misses += 1
+        except (FileNotFoundError, NotADirectoryError):
+            self._miss(count)
             return None
         except OSError as e:
             self._discard(path, f"unreadable ({e})", count)
             return None
-        problem = _check(data)
+        if data[:len(_MAGIC)] in _OLD_MAGICS:  # written by an older torch_tpu: a miss, replaced below
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            self._miss(count)
+            return None
+        problem = _check(data, key=key)
         if problem is not None:
             self._discard(path, problem, count)
             return None
@@ -189,37 +300,39 @@ class DiskCache:
             from torch_tpu import _metrics
 
             _metrics.cache_hit()
-        return data[_HEADER.size:]
+        return data[_HEADER.size + len(key):]
 
     def put(self, key: str, value: bytes) -> None:
         if getattr(self._tls, "elsewhere", 0):
             return
-        self._put(self._file(key), value, count=True)
+        self._put(*self._file(key), value, count=True)
 
-    def _put(self, path: str, value: bytes, count: bool, compile_seconds: float = 0.0) -> None:
-        if os.path.exists(path):
+    def _put(self, path: str, key: bytes, value: bytes, count: bool, compile_seconds: float = 0.0) -> None:
+        if self.write_problem is not None or os.path.exists(path):
             return
-        if len(value) + _HEADER.size > self.cap:
+        size = _HEADER.size + len(key) + len(value)
+        if size > self.cap:
             warnings.warn(
-                f"torch_tpu compile cache: an executable of {len(value)} bytes exceeds TORCH_TPU_CACHE_MAX_BYTES="
+                f"torch_tpu compile cache: an entry of {size} bytes exceeds TORCH_TPU_CACHE_MAX_BYTES="
                 f"{self.cap}; not cached. Raise the cap to keep it.",
                 CompileCacheWarning,
                 stacklevel=2,
             )
             return
-        header = _HEADER.pack(_MAGIC, hashlib.sha256(value).digest(), len(value), compile_seconds)
-        tmp = os.path.join(self.directory, f".tmp-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}")
+        digest = hashlib.sha256(key)
+        digest.update(value)
+        header = _HEADER.pack(_MAGIC, digest.digest(), len(value), compile_seconds, len(key))
+        tmp = os.path.join(self.directory, _temp_name())
         try:
             with open(tmp, "wb") as f:
                 f.write(header)
+                f.write(key)
                 f.write(value)
             os.replace(tmp, path)  # atomic: other processes see the whole entry or none
         except OSError as e:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
-            warnings.warn(f"torch_tpu compile cache: could not write {path}: {e}", CompileCacheWarning, stacklevel=2)
+            self._stop_writing(e)
             return
         if count:
             with self._lock:
@@ -228,12 +341,31 @@ class DiskCache:
                 self._tls.last_written = path
         with self._lock:
             if self._approx_bytes is not None:
-                self._approx_bytes += len(value) + _HEADER.size
+                self._approx_bytes += size
             self._writes_since_scan += 1
             scan = (self._approx_bytes is None or self._approx_bytes > self.cap
                     or self._writes_since_scan >= _RESCAN)
         if scan:
-            self.evict()
+            try:
+                self.evict()
+            except OSError as e:
+                self._stop_writing(e)
+
+    def _stop_writing(self, e: OSError) -> None:
+        """The directory cannot take new entries (read-only, full, removed): one warning, then this process
+        compiles without storing (entries already there are still read)."""
+        with self._lock:
+            if self.write_problem is not None:
+                return
+            why = "its file system is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else str(e)
+            self.write_problem = f"cannot write to {self.directory}: {why}"
+        warnings.warn(
+            f"torch_tpu compile cache: {self.write_problem}. This process goes on compiling without storing new "
+            "programs (stored ones are still used). Free space (python -m torch_tpu.compile_cache prune), fix the "
+            "folder, or set TORCH_TPU_CACHE_DIR to a writable folder (TORCH_TPU_CACHE=0 turns the cache off).",
+            CompileCacheWarning,
+            stacklevel=3,
+        )
 
     def clear(self) -> None:
         clear(self.directory)
@@ -256,10 +388,8 @@ class DiskCache:
             os.close(fd)
 
     def _discard(self, path: str, problem: str, count: bool = True) -> None:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
         with self._lock:
             self.counters.corrupt += 1
             if count:
@@ -282,17 +412,25 @@ class DiskCache:
         return n
 
 
-def _check(data: bytes) -> str | None:
-    """None when `data` is a whole, intact entry; else what is wrong with it."""
+def _check(data: bytes, key: bytes | None = None, name: str | None = None) -> str | None:
+    """None when `data` is a whole, intact entry stored under `key` (when given) or under a key whose hash is in
+    the file name `name` (when given); else what is wrong with it."""
+    if data[:len(_MAGIC)] in _OLD_MAGICS:
+        return "of an older torch_tpu format (no key)"
     if len(data) < _HEADER.size:
         return f"truncated ({len(data)} bytes, shorter than its header)"
-    magic, digest, length, _ = _HEADER.unpack_from(data)
+    magic, digest, length, _, key_length = _HEADER.unpack_from(data)
     if magic != _MAGIC:
         return "not a torch_tpu cache entry (bad magic)"
-    if len(data) - _HEADER.size != length:
-        return f"truncated ({len(data) - _HEADER.size} of {length} payload bytes)"
+    if len(data) - _HEADER.size != key_length + length:
+        return f"truncated ({len(data) - _HEADER.size} of {key_length + length} key and payload bytes)"
     if hashlib.sha256(memoryview(data)[_HEADER.size:]).digest() != digest:
         return "corrupt (checksum mismatch)"
+    stored = memoryview(data)[_HEADER.size:_HEADER.size + key_length]
+    if key is not None and stored != key:
+        return "another entry's (its stored key differs: copied or moved under this name)"
+    if name is not None and not name.endswith(hashlib.sha256(stored).hexdigest() + _SUFFIX):
+        return "another entry's (its stored key does not hash to its name: copied or moved under this name)"
     return None
 
 
@@ -306,7 +444,7 @@ def _evict(directory: str, cap: int) -> tuple[int, int]:
         return 0, total
     removed = 0
     lock_path = os.path.join(directory, ".evict.lock")
-    with open(lock_path, "a") as lock:
+    with open(lock_path, "a") as lock:  # OSError (read-only directory): the caller reports it
         fcntl.flock(lock, fcntl.LOCK_EX)  # one evicting process at a time; readers never lock
         try:
             entries, total = _disk_usage(directory)
@@ -363,18 +501,20 @@ def _source_hash() -> str:
     return _SOURCE_HASH[0]
 
 
-def _meta_file(kind: str, text: str) -> str | None:
+def _meta_file(kind: str, text: str) -> tuple[str, bytes] | tuple[None, None]:
     if _cache is None:
-        return None
-    return _cache._file(f"{kind}|{text}|{_config_text()}|{_source_hash()}", prefix=kind[0] + "-")
+        return None, None
+    # The configuration enters the key as a hash: the key is stored in every entry, the configuration is ~5 KB.
+    config = hashlib.sha256(_config_text().encode()).hexdigest()
+    return _cache._file(f"{kind}|{text}|config={config}|source={_source_hash()}", prefix=kind[0] + "-")
 
 
 def get_meta(kind: str, text: str) -> Any:
     """A Python value torch_tpu stored under (kind, text) in an earlier process, or None."""
-    path = _meta_file(kind, text)
+    path, key = _meta_file(kind, text)
     if path is None:
         return None
-    data = _cache._get(path, count=False)
+    data = _cache._get(path, key, count=False)
     if data is None:
         return None
     try:
@@ -385,9 +525,9 @@ def get_meta(kind: str, text: str) -> Any:
 
 
 def put_meta(kind: str, text: str, value: Any) -> None:
-    path = _meta_file(kind, text)
+    path, key = _meta_file(kind, text)
     if path is not None:
-        _cache._put(path, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), count=False)
+        _cache._put(path, key, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), count=False)
 
 
 @contextlib.contextmanager
@@ -408,10 +548,10 @@ def storing_elsewhere():
 def load_executable(text: str, device: Any) -> Any:
     """The compiled program stored under `text` by store_executable in an earlier process, loaded onto
     `device` (the one it was compiled for), or None."""
-    path = _meta_file("graph", text)
+    path, key = _meta_file("graph", text)
     if path is None:
         return None
-    data = _cache._get(path, count=False)  # a miss is counted by the compile that follows (JAX's lookup)
+    data = _cache._get(path, key, count=False)  # a miss is counted by the compile that follows (JAX's lookup)
     if data is None:
         return None
     try:
@@ -421,8 +561,11 @@ def load_executable(text: str, device: Any) -> Any:
     except Exception as e:  # noqa: BLE001 - e.g. written by an incompatible runtime: recompile
         _cache._discard(path, f"not loadable ({type(e).__name__}: {e})", count=False)
         return None
-    with open(path, "rb") as f:
-        seconds = _HEADER.unpack(f.read(_HEADER.size))[3]
+    try:
+        with open(path, "rb") as f:
+            seconds = _HEADER.unpack(f.read(_HEADER.size))[3]
+    except (OSError, struct.error):  # removed or replaced meanwhile by another process
+        seconds = 0.0
     with _cache._lock:
         _cache.counters.hits += 1
         _cache.counters.saved += seconds
@@ -434,7 +577,7 @@ def load_executable(text: str, device: Any) -> Any:
 
 def discard_executable(text: str, problem: str) -> None:
     """Deletes the program stored under `text` (it loaded but cannot run), with a CompileCacheWarning."""
-    path = _meta_file("graph", text)
+    path, _ = _meta_file("graph", text)
     if path is not None:
         with _cache._lock:
             _cache.counters.hits -= 1  # counted when it loaded: it was no use
@@ -442,7 +585,7 @@ def discard_executable(text: str, problem: str) -> None:
 
 
 def store_executable(text: str, compiled: Any) -> None:
-    path = _meta_file("graph", text)
+    path, key = _meta_file("graph", text)
     if path is None:
         return
     from jax.experimental import serialize_executable
@@ -453,7 +596,7 @@ def store_executable(text: str, compiled: Any) -> None:
         warnings.warn(f"torch_tpu compile cache: could not serialize a fused program ({e}); it is not cached.",
                       CompileCacheWarning, stacklevel=2)
         return
-    _cache._put(path, blob, count=True, compile_seconds=getattr(_cache._tls, "last_compile_seconds", 0.0))
+    _cache._put(path, key, blob, count=True, compile_seconds=getattr(_cache._tls, "last_compile_seconds", 0.0))
 
 
 def install() -> DiskCache | None:
@@ -505,54 +648,91 @@ def _listen_compile_seconds(cache: DiskCache) -> None:
 
 
 def stats(directory: str | None = None) -> CacheStats:
-    """Counters of this process's cache, and what is on disk now."""
+    """Counters of this process's cache, and what is on disk now. Never raises for the directory's state:
+    `problem` says what is wrong with it (not a folder, not writable, full) and what to do."""
     d = directory or (_cache.directory if _cache is not None else cache_dir())
     entries, total = _disk_usage(d)
-    c = _cache.counters if _cache is not None and _cache.directory == d else _Counters()
+    temps = _temp_files(d)
+    ours = _cache is not None and _cache.directory == d
+    c = _cache.counters if ours else _Counters()
+    problem = _directory_problem(d)
+    if not problem and ours and _cache.write_problem:
+        problem = f"this process stopped storing new programs: {_cache.write_problem}"
     return CacheStats(
         directory=d, enabled=enabled(), hits=c.hits, misses=c.misses, writes=c.writes, corrupt=c.corrupt,
         evictions=c.evictions, entries=len(entries), bytes=total,
         max_bytes=_cache.cap if _cache is not None else max_bytes(),
-        compile_seconds_saved=round(c.saved, 6),
+        compile_seconds_saved=round(c.saved, 6), temp_files=len(temps),
+        stale_temp_files=sum(stale for _, stale in temps), problem=problem,
     )
 
 
-def clear(directory: str | None = None) -> int:
-    """Deletes every entry; returns how many."""
-    d = directory or cache_dir()
-    entries, _ = _disk_usage(d)
+def _listable(d: str) -> bool:
+    """False when there is no cache at `d`; raises CompileCacheError when `d` is not a usable folder."""
+    if not os.path.lexists(d):
+        return False
+    if not os.path.isdir(d):
+        raise CompileCacheError(_directory_problem(d) or f"{d} is not a directory")
+    return True
+
+
+def _remove(paths: list[str], d: str) -> int:
+    """Removes `paths`; returns how many. Raises CompileCacheError naming what could not be removed."""
     n = 0
-    for _, _, path in entries:
+    failed: list[OSError] = []
+    for path in paths:
         try:
             os.unlink(path)
             n += 1
         except FileNotFoundError:
             pass
+        except OSError as e:
+            failed.append(e)
+    if failed:
+        raise CompileCacheError(
+            f"could not remove {len(failed)} of {len(paths)} files in {d} ({failed[0].strerror}: "
+            f"{failed[0].filename}); {n} removed. "
+            + (_directory_problem(d) or "Check the folder's permissions and file system.")
+        )
+    return n
+
+
+def clear(directory: str | None = None) -> int:
+    """Deletes every entry, and temporary files left by writers that died; returns how many entries.
+    Raises CompileCacheError when the directory is not a folder or files cannot be removed."""
+    d = directory or cache_dir()
+    if not _listable(d):
+        return 0
+    entries, _ = _disk_usage(d)
+    n = _remove([path for _, _, path in entries], d)
+    _remove([path for path, stale in _temp_files(d) if stale], d)
     return n
 
 
 def prune(directory: str | None = None, cap: int | None = None) -> tuple[int, int]:
-    """Deletes corrupt entries, stale temporary files, and least-recently-used entries above `cap`.
-    Returns (entries removed as damaged or stale, entries evicted)."""
+    """Deletes damaged entries (corrupt, truncated, of an older format, or under another entry's name),
+    temporary files left by writers that died, and least-recently-used entries above `cap`.
+    Returns (files removed as damaged or stale, entries evicted). Raises CompileCacheError when the directory
+    is not a folder or files cannot be removed."""
     d = directory or cache_dir()
-    damaged = 0
-    try:
-        names = os.listdir(d)
-    except FileNotFoundError:
+    if not _listable(d):
         return 0, 0
-    now = time.time()
-    for name in names:
-        path = os.path.join(d, name)
+    damaged = [path for path, stale in _temp_files(d) if stale]
+    for _, _, path in _disk_usage(d)[0]:
         try:
-            if name.startswith(".tmp-"):
-                if now - os.stat(path).st_mtime > 3600:  # a writer that died mid-write
-                    os.unlink(path)
-                    damaged += 1
-            elif name.endswith(_SUFFIX):
-                with open(path, "rb") as f:
-                    if _check(f.read()) is not None:
-                        os.unlink(path)
-                        damaged += 1
+            with open(path, "rb") as f:
+                if _check(f.read(), name=os.path.basename(path)) is not None:
+                    damaged.append(path)
         except FileNotFoundError:
             pass
-    return damaged, _evict(d, max_bytes() if cap is None else cap)[0]
+        except OSError:
+            damaged.append(path)  # unreadable
+    n = _remove(damaged, d)
+    try:
+        evicted = _evict(d, max_bytes() if cap is None else cap)[0]
+    except OSError as e:
+        raise CompileCacheError(
+            f"could not evict entries in {d} ({e}). "
+            + (_directory_problem(d) or "Check the folder's permissions and file system.")
+        ) from None
+    return n, evicted

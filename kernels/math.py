@@ -828,7 +828,7 @@ def complex_(real: Any, imag: Any) -> Any:
             f"{dtype_name(_runtime.torch_dtype(real.dtype))} and {dtype_name(_runtime.torch_dtype(imag.dtype))}"
         )
     if real.dtype == jnp.float16:
-        raise RuntimeError("torch_tpu: ComplexHalf (complex32) tensors are not supported on tpu (XLA has no such type)")
+        _runtime.jax_dtype(torch.complex32)  # raises, naming the dtypes tpu has
     r, i = jnp.broadcast_arrays(real, imag)
     return lax.complex(r, i)
 

@@ -1,15 +1,33 @@
 // Device allocator: a storage's DataPtr context is a TpuBuffer owning the storage's device array.
 //
-// Data pointers come from a reserved PROT_NONE address range: each live storage gets its own span, so
-// data_ptr() is unique (torch.save keys storages by it) and a stray CPU dereference faults instead of
-// reading garbage. Freed spans are reused by size, so the range is bounded by peak live bytes.
+// Data pointers are names, never dereferenced: the bytes live in device memory. Each live storage gets its own
+// span of round_up(nbytes, 64) addresses, disjoint from every other live storage's span, so data_ptr() is
+// unique and so is every view's data_ptr() + offset * itemsize (views of a storage stay inside its span).
+// torch.save, safetensors and Hugging Face's tie detection key storages by (data_ptr, nbytes), and user code
+// compares view pointers: overlapping spans would alias unrelated tensors. Freed spans are reused by exact
+// size, so the address range a process needs is about its peak live storage bytes (plus one span per distinct
+// size that was live at the peak).
+//
+// Where the spans come from, and what a stray CPU read of a tpu data pointer does in each case:
+//  1. A PROT_NONE reservation (MAP_NORESERVE: nothing committed), tried from 16 TiB down to 64 MiB: a read
+//     faults (SIGSEGV at that address). Only when RLIMIT_AS is unlimited: reserved address space counts
+//     against RLIMIT_AS like real memory, and under a limit the XLA:CPU data itself needs that room.
+//  2. Then (under an address-space limit, when no reservation was granted, or once it is used up), on x86-64
+//     and aarch64: a window of addresses the CPU cannot translate at all (bits 62 and 55 set: non-canonical
+//     on x86-64 with 4- or 5-level paging; on aarch64, with the top byte ignored, bit 55 selects the
+//     kernel's translation table and these addresses are outside its range). Nothing is mapped, so it costs
+//     no address space, and a read faults (SIGSEGV) on every such CPU.
+//  3. On other CPUs: further PROT_NONE reservations (at least the span, doubling), so a read still faults;
+//     when the kernel refuses even the span, allocation fails with an error naming the limit.
 #include "TpuRuntime.h"
 
 #include <c10/util/Exception.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/DynamicTypes.h>
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
@@ -18,21 +36,38 @@ namespace torch_tpu {
 namespace {
 
 constexpr size_t kAlign = 64;
+constexpr size_t kMinReservation = size_t(64) << 20;
+
+#if defined(__x86_64__) || defined(__aarch64__)
+constexpr bool kHasFaultWindow = true;
+constexpr uintptr_t kFaultWindowBase = (uintptr_t(1) << 62) | (uintptr_t(1) << 55);
+constexpr size_t kFaultWindowSize = size_t(1) << 55;  // the low 55 bits: adding never carries into bit 55
+#else
+constexpr bool kHasFaultWindow = false;
+constexpr uintptr_t kFaultWindowBase = 0;
+constexpr size_t kFaultWindowSize = 0;
+#endif
+
+bool address_space_limited() {
+  struct rlimit lim;
+  return getrlimit(RLIMIT_AS, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY;
+}
+
+void* reserve(size_t bytes) {
+  void* p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  return p == MAP_FAILED ? nullptr : p;
+}
 
 class AddressSpace {
  public:
   AddressSpace() {
-    // Reserve as much inaccessible address space as the kernel grants (no memory is committed).
-    for (size_t gib : {size_t(16) << 10, size_t(4) << 10, size_t(1) << 10, size_t(64)}) {
-      size_t bytes = gib << 30;
-      void* p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-      if (p != MAP_FAILED) {
-        base_ = reinterpret_cast<uintptr_t>(p);
-        size_ = bytes;
-        break;
+    if (address_space_limited()) return;  // cases 2 and 3 (see the top of this file)
+    for (size_t bytes = size_t(16) << 40; bytes >= kMinReservation; bytes /= 4) {
+      if (void* p = reserve(bytes)) {
+        region_ = {reinterpret_cast<uintptr_t>(p), bytes, 0};
+        return;
       }
     }
-    TORCH_CHECK(base_ != 0, "torch_tpu: could not reserve an address range for tpu storages");
   }
 
   void* acquire(size_t nbytes) {
@@ -44,10 +79,9 @@ class AddressSpace {
       it->second.pop_back();
       return reinterpret_cast<void*>(a);
     }
-    TORCH_CHECK(next_ + span <= size_, "torch_tpu: the reserved address range for tpu storages is "
-                "exhausted (", size_ >> 30, " GiB of live storage spans)");
-    uintptr_t a = base_ + next_;
-    next_ += span;
+    if (region_.size - region_.next < span) grow(span);
+    uintptr_t a = region_.base + region_.next;
+    region_.next += span;
     return reinterpret_cast<void*>(a);
   }
 
@@ -57,10 +91,37 @@ class AddressSpace {
   }
 
  private:
+  struct Region {
+    uintptr_t base = 0;
+    size_t size = 0;
+    size_t next = 0;
+  };
+
+  // Moves on to a fresh region with room for `span`; the old region's free spans stay reusable.
+  void grow(size_t span) {
+    if (kHasFaultWindow && region_.base != kFaultWindowBase) {
+      region_ = {kFaultWindowBase, kFaultWindowSize, 0};
+      if (span <= region_.size) return;
+    }
+    if (!kHasFaultWindow) {
+      chunk_ = std::max(chunk_ * 2, kMinReservation);
+      for (size_t bytes = std::max(chunk_, span);; bytes = std::max(bytes / 2, span)) {
+        if (void* p = reserve(bytes)) {
+          region_ = {reinterpret_cast<uintptr_t>(p), bytes, 0};
+          return;
+        }
+        if (bytes == span) break;
+      }
+    }
+    TORCH_CHECK(false, "torch_tpu: no address range left to name a tpu storage of ", span,
+                " bytes (tpu data pointers are reserved, never-dereferenced addresses, one span per live "
+                "storage). The address-space limit (ulimit -v / RLIMIT_AS) leaves no room for it: raise the "
+                "limit or free tpu tensors.");
+  }
+
   static size_t round(size_t n) { return n == 0 ? kAlign : (n + kAlign - 1) / kAlign * kAlign; }
-  uintptr_t base_ = 0;
-  size_t size_ = 0;
-  size_t next_ = 0;
+  Region region_;
+  size_t chunk_ = 0;
   std::mutex mu_;
   std::unordered_map<size_t, std::vector<uintptr_t>> free_;
 };

@@ -73,3 +73,38 @@ def test_import_torch_tpu_before_torch() -> None:
     out = run_python("import torch_tpu, torch; print(torch.ones(2, device='tpu').sum().item())")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "2.0"
+
+
+# A bad TORCH_TPU_* value read at `import torch`: import works (CPU work too), and the first tpu use (and every
+# later one, and torch.tpu.is_available) raises an error naming the variable, the value and the valid values.
+_BAD_ENV = """
+import torch
+print("imported", (torch.ones(2) + 1).tolist(), flush=True)
+for what in ("available", "first", "second"):
+    try:
+        torch.tpu.is_available() if what == "available" else torch.zeros(1, device="tpu") + 1
+        print(what, "NO ERROR", flush=True)
+    except RuntimeError as e:
+        print(what, "ERROR", str(e).replace("\\n", " "), flush=True)
+"""
+
+
+@pytest.mark.parametrize("name,value,valid", [
+    ("TORCH_TPU_EAGER_MODE", "bogus", ["DEFER_NEVER", "DEFER_AND_FUSE", "DEFER_NEVER_AND_LAUNCH_BLOCKING"]),
+    ("TORCH_TPU_CPU_FALLBACK", "sometimes", ["'warn'", "'strict'"]),
+    ("TORCH_TPU_CACHE", "perhaps", ["0 (or false, off, no)", "1 (or true, on, yes, unset)"]),
+    ("TORCH_TPU_CACHE_MAX_BYTES", "garbage", ["4G", "512M"]),
+    ("TORCH_TPU_FUSE_MAX_OPS", "many", ["positive integer"]),
+    ("TORCH_TPU_FUSE_CACHE", "0", ["positive integer"]),
+    ("TORCH_TPU_RECOMPILE_WARN", "x", ["e.g. 8", "0 turns the warning off"]),
+    ("TORCH_TPU_NUM_DEVICES", "x", ["positive integer"]),
+    ("TORCH_TPU_PLATFORM", "bogus", ["cpu, tpu, cuda"]),
+], ids=lambda v: v if isinstance(v, str) and v.startswith("TORCH_TPU_") else "")
+def test_bad_env_value_raises_at_first_tpu_use_not_at_import(name, value, valid, tmp_path) -> None:
+    r = run_python(_BAD_ENV, env={name: value, "TORCH_TPU_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0 and "imported [2.0, 2.0]" in r.stdout, r.stdout + r.stderr[-3000:]
+    for what in ("available", "first", "second"):
+        line = next(ln for ln in r.stdout.splitlines() if ln.startswith(what + " "))
+        assert "ERROR torch_tpu" in line and f"{name}={value!r}" in line, line
+        for v in valid:
+            assert v in line, (v, line)

@@ -155,3 +155,177 @@ def test_stats_api_in_process() -> None:
     s = torch.tpu.compile_cache.stats()
     assert s.enabled and s.directory and s.max_bytes > 0
     assert "hits:" in str(s)
+
+
+# ---- entries carry their key; temporary files of dead writers; unusable directories ----
+
+def _cli(directory: Path | str, *args: str) -> subprocess.CompletedProcess:
+    return run_python("import runpy, sys; sys.argv[0] = 'compile_cache'; "
+                      "runpy.run_module('torch_tpu.compile_cache', run_name='__main__')",
+                      args=[*args, "--dir", str(directory)])
+
+
+def test_whole_entry_under_another_name_is_a_miss(tmp_path) -> None:
+    _run(tmp_path)
+    shapes = [p for p in _entries(tmp_path) if p.name.startswith("s-")]
+    programs = [p for p in _entries(tmp_path) if not p.name.startswith(("s-", "g-"))]
+    assert len(shapes) >= 2 and len(programs) >= 2
+    # a stored op shape and a stored executable, each copied whole (checksum-valid) over another entry's name
+    shapes[1].write_bytes(shapes[0].read_bytes())
+    programs[1].write_bytes(programs[0].read_bytes())
+    result, err = _run(tmp_path)  # right results (checked in _run), no size mismatch
+    assert err.count("copied or moved under this name") == 2, err
+    assert result["corrupt"] == 2 and result["writes"] >= 1
+    again, err = _run(tmp_path)
+    assert again["misses"] == 0 and again["corrupt"] == 0 and "CompileCacheWarning" not in err
+    # prune recognises such an entry without knowing its key: the stored key does not hash to the name
+    programs[1].write_bytes(programs[0].read_bytes())
+    out = _cli(tmp_path, "prune")
+    assert out.returncode == 0 and "removed 1 damaged" in out.stdout, out.stdout + out.stderr
+    assert not programs[1].exists() and programs[0].exists()
+
+
+def test_entries_of_the_older_format_are_misses(tmp_path) -> None:
+    import hashlib
+    import struct
+
+    from torch_tpu.compile_cache import _HEADER, _MAGIC
+
+    first, _ = _run(tmp_path)
+    old = _executables(tmp_path)[0]
+    data = old.read_bytes()
+    _, _, length, seconds, key_length = _HEADER.unpack_from(data)
+    payload = data[_HEADER.size + key_length:]
+    # the format before keys were stored: magic, sha256 of the payload, payload length, compile seconds
+    old.write_bytes(struct.pack("<8s32sQd", b"TTPUXC01", hashlib.sha256(payload).digest(), length, seconds)
+                    + payload)
+    result, err = _run(tmp_path)
+    assert result["misses"] == 1 and result["writes"] == 1 and result["corrupt"] == 0
+    assert "CompileCacheWarning" not in err
+    assert old.read_bytes()[:8] == _MAGIC  # replaced by an entry of the current format
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait(timeout=60)
+    return p.pid
+
+
+def test_temporary_files_of_dead_writers_are_counted_and_removed(tmp_path) -> None:
+    import socket
+    import time
+
+    _run(tmp_path)
+    n = len(_entries(tmp_path))
+    host = socket.gethostname()
+    dead = tmp_path / f".tmp-{host}-{_dead_pid()}-1-1"  # its writer was killed mid-write
+    old = tmp_path / ".tmp-otherhost-123-1-1"  # another host's writer, two hours ago
+    live = tmp_path / f".tmp-{host}-{os.getpid()}-1-1"  # a writer still at work
+    for p in (dead, old, live):
+        p.write_bytes(b"partial")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    s = torch.tpu.compile_cache.stats(str(tmp_path))
+    assert s.temp_files == 3 and s.stale_temp_files == 2 and s.entries == n
+    out = _cli(tmp_path, "info")
+    assert out.returncode == 0 and "temporary: 3 (2 left by writers that died" in out.stdout, out.stdout
+    out = _cli(tmp_path, "prune")
+    assert out.returncode == 0 and "removed 2 damaged or stale files" in out.stdout, out.stdout + out.stderr
+    assert live.exists() and not dead.exists() and not old.exists() and len(_entries(tmp_path)) == n
+    dead.write_bytes(b"partial")
+    out = _cli(tmp_path, "clear")
+    assert out.returncode == 0 and f"removed {n} entries" in out.stdout
+    assert live.exists() and not dead.exists() and not _entries(tmp_path)
+
+
+def test_directory_that_is_a_file(tmp_path) -> None:
+    d = tmp_path / "cache"
+    d.write_text("not a folder")
+    s = torch.tpu.compile_cache.stats(str(d))
+    assert "is not a directory" in s.problem and s.entries == 0
+    for cmd in ("info", "prune", "clear"):
+        out = _cli(d, cmd)
+        assert out.returncode == 1 and "is not a directory" in out.stdout + out.stderr, (cmd, out.stdout, out.stderr)
+        assert "Traceback" not in out.stderr and "TORCH_TPU_CACHE_DIR" in out.stdout + out.stderr
+    # a process using it compiles without the cache (one warning) and computes right
+    result, err = _run(d, check=True)
+    assert err.count("CompileCacheWarning") == 1 and result["writes"] == 0
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True, timeout=30).returncode == 0
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 1 MiB file system of its own (a tmpfs: needs root), unmounted afterwards."""
+    mnt = tmp_path / "mnt"
+    if not _mount_tmpfs(mnt, "1M"):
+        pytest.skip("needs root to mount a tmpfs (the ENOSPC case is also covered by test_running_process_*)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+def test_full_directory(small_fs) -> None:
+    d = small_fs / "cache"
+    _run(d)
+    n = len(_entries(d))
+    filler = small_fs / "filler"
+    with open(filler, "wb") as f:  # fill the file system
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    s = torch.tpu.compile_cache.stats(str(d))
+    assert "is full" in s.problem
+    out = _cli(d, "info")
+    assert out.returncode == 1 and "is full" in out.stdout and "Traceback" not in out.stderr, out.stdout + out.stderr
+    # a run with a new compiler option misses everything and cannot store: one warning, right results
+    result, err = _run(d, env={"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"})
+    assert result["writes"] == 0 and err.count("CompileCacheWarning") == 1 and "full" in err, err
+    assert len(_entries(d)) == n and not list(d.glob(".tmp-*"))
+    out = _cli(d, "prune", "--max-bytes", "0")  # deleting works on a full file system
+    assert out.returncode == 0 and not _entries(d), out.stdout + out.stderr
+
+
+def test_read_only_directory(small_fs) -> None:
+    d = small_fs / "cache"
+    _run(d)
+    n = len(_entries(d))
+    assert subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], capture_output=True,
+                          timeout=30).returncode == 0
+    s = torch.tpu.compile_cache.stats(str(d))
+    assert "not writable" in s.problem and s.entries == n
+    out = _cli(d, "info")
+    assert out.returncode == 1 and "not writable" in out.stdout and "Traceback" not in out.stderr
+    for cmd in ("clear", "prune"):
+        args = (cmd, "--max-bytes", "0") if cmd == "prune" else (cmd,)
+        out = _cli(d, *args)
+        assert out.returncode == 1 and "Traceback" not in out.stderr, (cmd, out.stdout, out.stderr)
+        assert "could not" in out.stderr and "not writable" in out.stderr, out.stderr
+    assert len(_entries(d)) == n
+    same, err = _run(d)  # stored entries are still used
+    assert same["misses"] == 0 and same["hits"] > 0 and "CompileCacheWarning" not in err
+    result, err = _run(d, env={"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"})
+    assert result["writes"] == 0 and err.count("CompileCacheWarning") == 1, err
+
+
+def test_running_process_whose_directory_fills_up(tmp_path) -> None:
+    # Without root: every write in the cache directory fails with ENOSPC from the first op on.
+    code = ("import errno, os\n"
+            "def full(*a, **k): raise OSError(errno.ENOSPC, 'No space left on device')\n"
+            "import torch_tpu.compile_cache as cc\n"
+            "cc.os.replace = full\n" + PROGRAM)
+    out = run_python(code, env={"TORCH_TPU_CACHE_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    result = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+    exp = _expected()
+    torch.testing.assert_close(torch.tensor(result["fused"]), torch.tensor(exp["fused"]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(result["eager"]), torch.tensor(exp["eager"]), rtol=1e-5, atol=1e-4)
+    assert out.stderr.count("CompileCacheWarning") == 1 and "file system is full" in out.stderr, out.stderr
+    assert result["writes"] == 0 and not _entries(tmp_path) and not list(tmp_path.glob(".tmp-*"))

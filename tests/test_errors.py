@@ -52,7 +52,9 @@ def test_fallback_env_var() -> None:
     assert r.returncode == 0, r.stderr
     assert "{'aten::special_bessel_j0.out': 1}" in r.stdout
     assert "runs on CPU" in r.stderr
-    bad = run_python("import torch", env={"TORCH_TPU_CPU_FALLBACK": "sometimes"})
+    bad = run_python("import torch\nprint('imported', flush=True)\ntorch.zeros(1, device='tpu')",
+                     env={"TORCH_TPU_CPU_FALLBACK": "sometimes"})
+    assert "imported" in bad.stdout, bad.stderr  # `import torch` works; the first tpu use raises
     assert bad.returncode != 0 and "TORCH_TPU_CPU_FALLBACK='sometimes' is not understood" in bad.stderr
 
 
@@ -102,3 +104,23 @@ def test_setup_reports_wrong_torch(tmp_path: Path) -> None:
     assert r.returncode != 0
     assert "has torch 2.0.1, but torch_tpu is built for torch==2.13.0" in r.stderr
     assert "pip install torch==2.13.0" in r.stderr
+
+
+def test_complex32_names_tpu_and_the_supported_dtypes() -> None:
+    cases = [
+        lambda: torch.zeros(3, dtype=torch.chalf, device="tpu"),
+        lambda: torch.zeros(3, dtype=torch.chalf).to("tpu"),
+        lambda: torch.zeros(3, device="tpu").to(torch.chalf),
+        lambda: torch.complex(*torch.ones(2, 2, dtype=torch.half, device="tpu")),
+        lambda: torch.zeros(4, device="tpu").view(torch.chalf) + 1,  # not Python's "unsupported operand type(s)"
+    ]
+    for make in cases:
+        with pytest.raises(RuntimeError) as info:
+            make()
+        msg = str(info.value)
+        assert "dtype torch.complex32 is not supported on tpu" in msg, msg
+        assert "float32" in msg and "bfloat16" in msg and "complex64" in msg and "float8_e4m3fn" in msg, msg
+        assert "Use torch.complex64" in msg, msg
+    # CPU has it: the oracle for what the message suggests
+    ok = torch.complex(torch.ones(2, dtype=torch.half), torch.ones(2, dtype=torch.half)).to(torch.complex64).to("tpu")
+    torch.testing.assert_close(ok.cpu(), torch.ones(2, dtype=torch.complex64) * (1 + 1j))

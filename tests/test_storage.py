@@ -9,7 +9,7 @@ import io
 
 import torch
 
-from conftest import rss_bytes
+from conftest import rss_bytes, run_python
 
 
 def _pair(shape=(3, 4), dtype=torch.float32):
@@ -183,3 +183,90 @@ def test_no_growth_over_10000_create_free_cycles() -> None:
     assert torch.tpu.live_storages() == base_live
     growth = rss_bytes() - base_rss
     assert growth < 32 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB over 10,000 cycles"
+
+
+# ---- data pointers: unique names that fault on a stray CPU read, with or without an address-space limit ----
+
+_BASELINE = """
+import torch, jax, jax.numpy as jnp
+jnp.ones(3).block_until_ready(); (torch.ones(3) + 1).sum()
+with open('/proc/self/status') as f:
+    print(next(int(l.split()[1]) * 1024 for l in f if l.startswith('VmPeak')))
+"""
+
+
+def _limited(code: str, limit: int | None, timeout: int = 300):
+    """Runs `code` in a fresh interpreter under RLIMIT_AS=`limit` (None: unlimited)."""
+    if limit is None:
+        return run_python(code, timeout=timeout)
+    wrapper = f"import resource; resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))\n"
+    return run_python(wrapper + f"exec({code!r})", timeout=timeout)
+
+
+def _baseline_peak() -> int:
+    r = _limited(_BASELINE, None)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return int(r.stdout.split()[-1])
+
+
+_STRAY_READ = """
+import ctypes, torch
+t = torch.arange(1000, dtype=torch.float32, device='tpu')
+p = t[10:].data_ptr()
+maps = [l.split() for l in open('/proc/self/maps')]
+inside = [m[1] for m in maps if int(m[0].split('-')[0], 16) <= p < int(m[0].split('-')[1], 16)]
+print('MAPPING', inside, hex(p), flush=True)
+ctypes.string_at(p, 4)
+print('READ SUCCEEDED', flush=True)
+"""
+
+
+def test_stray_cpu_read_of_a_tpu_pointer_faults_without_a_limit() -> None:
+    r = _limited(_STRAY_READ, None)
+    assert "MAPPING ['---p']" in r.stdout, r.stdout + r.stderr[-2000:]  # inside the PROT_NONE reservation
+    assert "READ SUCCEEDED" not in r.stdout and r.returncode == -11, (r.returncode, r.stdout, r.stderr[-2000:])
+
+
+def test_stray_cpu_read_of_a_tpu_pointer_faults_under_an_address_space_limit() -> None:
+    r = _limited(_STRAY_READ, _baseline_peak() + (2 << 30))
+    assert "MAPPING []" in r.stdout, r.stdout + r.stderr[-2000:]  # a non-canonical address: no mapping at all
+    assert "READ SUCCEEDED" not in r.stdout and r.returncode == -11, (r.returncode, r.stdout, r.stderr[-2000:])
+
+
+_UNDER_LIMIT = """
+import torch
+cpu = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(0))  # 64 MiB
+x = cpu.to('tpu')
+torch.testing.assert_close((x * 2 + 1).sum(0).cpu(), (cpu * 2 + 1).sum(0))
+torch.testing.assert_close((x @ x[:64].T).cpu(), cpu @ cpu[:64].T, rtol=1e-4, atol=1e-3)
+base = x.data_ptr()
+for v, c in ((x[100:200], cpu[100:200]), (x[:, 5], cpu[:, 5]), (x.T[3], cpu.T[3]),
+             (x.view(-1)[12345:], cpu.view(-1)[12345:]), (x[-1, -1:], cpu[-1, -1:])):
+    assert v.data_ptr() == base + v.storage_offset() * 4
+    assert base <= v.data_ptr() < base + x.untyped_storage().nbytes()
+    torch.testing.assert_close(v.cpu(), c)
+    torch.testing.assert_close((v + 1).cpu(), c + 1)
+x[7].fill_(3.0); cpu[7].fill_(3.0)
+torch.testing.assert_close(x.cpu(), cpu)
+# spans of live storages are disjoint: no tensor's range overlaps another's
+ts = [torch.empty(n, device='tpu') for n in range(1, 2000)] + [x]
+spans = sorted((t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes()) for t in ts)
+assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+del ts
+# freed spans are reused, so create/free cycles do not exhaust anything
+for i in range(20000):
+    torch.empty(1 + i % 97, device='tpu')
+print('OK')
+"""
+
+
+def test_allocates_and_computes_under_an_address_space_limit() -> None:
+    # The limit leaves ~2 GiB above what torch and JAX themselves take: before, no tpu tensor could be
+    # allocated (the allocator insisted on reserving at least 64 GiB of address space).
+    r = _limited(_UNDER_LIMIT, _baseline_peak() + (2 << 30))
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-4000:]
+
+
+def test_same_program_without_a_limit() -> None:
+    r = _limited(_UNDER_LIMIT, None)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-4000:]

@@ -27,7 +27,7 @@ _FALLBACK_MODES = {"": 0, "0": 0, "strict": 0, "off": 0, "warn": 1, "1": 1}
 
 
 def _setup() -> None:
-    from torch_tpu import _deferred, _runtime, _storage, device_module, kernels
+    from torch_tpu import _config, _deferred, _metrics, _runtime, _storage, compile_cache, device_module, kernels
 
     torch.utils.rename_privateuse1_backend("tpu")
     torch._register_device_module("tpu", device_module)
@@ -37,7 +37,22 @@ def _setup() -> None:
     _C._set_callbacks(_runtime.start, _storage.resize_array, _runtime.synchronize)
     kernels.install()
     _C._set_pending_type(_deferred.Pending)  # DEFER_AND_FUSE placeholders, resolved by the C++ accessors
-    _deferred.mode_from_env()
+    # A bad TORCH_TPU_* value must not break `import torch`: it is raised at the first tpu use (_config).
+    try:
+        _deferred.mode_from_env()
+    except RuntimeError as e:
+        _config.defer("TORCH_TPU_EAGER_MODE", str(e))
+    for name, parse in (("TORCH_TPU_CACHE", compile_cache.enabled),
+                        ("TORCH_TPU_CACHE_MAX_BYTES", compile_cache.max_bytes),
+                        ("TORCH_TPU_RECOMPILE_WARN", _metrics._threshold)):
+        try:
+            parse()  # read again where used; checked here so that a bad value stops the first tpu use
+        except RuntimeError as e:
+            _config.defer(name, str(e))
+    # Parsed again by _runtime when it starts; checked here too so that torch.tpu.is_available() raises for them
+    # instead of answering False (a `"tpu" if is_available() else "cpu"` script would silently run on CPU).
+    _config.read("TORCH_TPU_NUM_DEVICES", _config.positive_int, None)
+    _config.read("TORCH_TPU_PLATFORM", _config.one_of(*_runtime.PLATFORMS), None)
     # torch.compile: Dynamo must run the Python kernels above as plain Python, never trace them.
     from torch_tpu import _dynamo_skip
 
@@ -52,10 +67,12 @@ def _setup() -> None:
 
     mode = os.environ.get("TORCH_TPU_CPU_FALLBACK", "").strip().lower()
     if mode not in _FALLBACK_MODES:
-        raise RuntimeError(
-            f"TORCH_TPU_CPU_FALLBACK={mode!r} is not understood: use 'warn' to run ops without a tpu kernel "
-            "on CPU (warning once per op), or unset it for the strict default."
+        _config.defer(
+            "TORCH_TPU_CPU_FALLBACK",
+            f"TORCH_TPU_CPU_FALLBACK={mode!r} is not understood: use 'warn' (or 1) to run ops without a tpu kernel "
+            "on CPU (warning once per op), or 'strict' (or 0, off, unset) for the strict default.",
         )
+        mode = ""
     _C._set_fallback_mode(_FALLBACK_MODES[mode])
 
 

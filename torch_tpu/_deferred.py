@@ -188,11 +188,10 @@ _SCALARS = (bool, int, float, complex)
 
 
 def _env_count(name: str, default: int) -> int:
-    """A positive count from the environment (the default when unset or not an integer)."""
-    try:
-        return max(1, int(os.environ.get(name, str(default))))
-    except ValueError:
-        return default
+    """A positive count from the environment (the default when unset; a bad value raises at the first tpu use)."""
+    from torch_tpu import _config
+
+    return _config.read(name, _config.positive_int, default)
 
 
 _MAX_OPS = _env_count("TORCH_TPU_FUSE_MAX_OPS", 1000)

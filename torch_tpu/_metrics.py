@@ -148,10 +148,13 @@ def _skip_dirs() -> tuple[str, ...]:
 
 
 def _threshold() -> int:
+    raw = os.environ.get("TORCH_TPU_RECOMPILE_WARN", "").strip()
     try:
-        return int(os.environ.get("TORCH_TPU_RECOMPILE_WARN", "8"))
+        return int(raw) if raw else 8
     except ValueError:
-        return 8
+        raise RuntimeError(f"torch_tpu: TORCH_TPU_RECOMPILE_WARN={raw!r} is not valid: use how many different "
+                           "shapes a call site may compile before it warns (e.g. 8; 0 turns the warning off), or "
+                           "unset it.") from None
 
 
 def _shapes(values: Any) -> list[Any]:

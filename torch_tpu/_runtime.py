@@ -78,6 +78,9 @@ def _pick_devices() -> tuple[str, list[Any]]:
 def start() -> int:
     """Starts the PJRT client; returns the device count. Called by the C++ runtime on first tpu use."""
     global _devices, _platform
+    from torch_tpu import _config
+
+    _config.check()  # bad TORCH_TPU_* values read at `import torch` stop the first (and every) tpu use
     with _lock:
         if _devices is None:
             configure_jax()
@@ -174,7 +177,12 @@ def jax_dtype(dtype: torch.dtype) -> Any:
     try:
         return _TORCH_TO_JAX[dtype]
     except KeyError:
-        raise TypeError(f"torch_tpu: dtype {dtype} is not supported on tpu") from None
+        # A RuntimeError, as CPU kernels raise for dtypes they lack (a TypeError would turn `x + 1` into
+        # Python's "unsupported operand type(s)").
+        names = ", ".join(str(t).removeprefix("torch.") for t in _TORCH_TO_JAX)
+        hint = {torch.complex32: " Use torch.complex64 instead (.to(torch.complex64) on CPU first)."}.get(dtype, "")
+        raise RuntimeError(f"torch_tpu: dtype {dtype} is not supported on tpu (XLA has no such type). The tpu "
+                           f"dtypes are: {names}.{hint}") from None
 
 
 def torch_dtype(dtype: Any) -> torch.dtype:
@@ -208,6 +216,7 @@ def upload(t: torch.Tensor, index: int) -> Any:
 
     # A private host copy first: XLA:CPU aliases suitably aligned host buffers (even with may_alias=False in
     # jax 0.10.2), and torch may later mutate its own memory.
+    jax_dtype(t.dtype)  # a dtype tpu lacks fails here, naming it, rather than in numpy
     arr = np.array(host_to_numpy(t), copy=True)
     return jax.device_put(arr, device(index))
 

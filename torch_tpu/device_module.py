@@ -41,7 +41,11 @@ def _index(d: DeviceLike, optional: bool = True) -> int:
 
 
 def is_available() -> bool:
-    """True when at least one tpu device exists (a TPU, or XLA:CPU when no TPU is present)."""
+    """True when at least one tpu device exists (a TPU, or XLA:CPU when no TPU is present). A bad TORCH_TPU_*
+    value raises here rather than sending a `"tpu" if is_available() else "cpu"` script to the CPU."""
+    from torch_tpu import _config
+
+    _config.check()
     try:
         return device_count() > 0
     except RuntimeError:
