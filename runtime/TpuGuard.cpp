@@ -98,6 +98,16 @@ C10_REGISTER_GUARD_IMPL(PrivateUse1, TpuGuardImpl);
 
 bool runtime_started() { return g_count.load() >= 0; }
 
+bool g_in_bad_fork = false;
+
+void throw_bad_fork() {
+  TORCH_CHECK(false, "torch_tpu: cannot re-initialize tpu in a forked subprocess; to use tpu with multiprocessing, "
+              "you must use the 'spawn' start method (multiprocessing.set_start_method('spawn'), or "
+              "DataLoader(..., multiprocessing_context='spawn')). This process was forked after the tpu runtime "
+              "started in its parent, and PJRT does not survive fork(); fork before the first tpu use, or keep "
+              "tpu work out of the forked processes.");
+}
+
 c10::DeviceIndex device_count() {
   int n = g_count.load();
   if (n < 0) n = start_runtime();
@@ -116,6 +126,7 @@ void check_device_index(c10::DeviceIndex index) {
 }
 
 void set_current_device(c10::DeviceIndex index) {
+  check_not_forked();
   if (index == t_current) return;
   check_device_index(index);
   t_current = index;
