@@ -99,14 +99,16 @@ C10_REGISTER_GUARD_IMPL(PrivateUse1, TpuGuardImpl);
 bool runtime_started() { return g_count.load() >= 0; }
 
 bool g_in_bad_fork = false;
+namespace {
+std::string g_bad_fork_message;
+}  // namespace
 
-void throw_bad_fork() {
-  TORCH_CHECK(false, "torch_tpu: cannot re-initialize tpu in a forked subprocess; to use tpu with multiprocessing, "
-              "you must use the 'spawn' start method (multiprocessing.set_start_method('spawn'), or "
-              "DataLoader(..., multiprocessing_context='spawn')). This process was forked after the tpu runtime "
-              "started in its parent, and PJRT does not survive fork(); fork before the first tpu use, or keep "
-              "tpu work out of the forked processes.");
+void mark_bad_fork(std::string message) {
+  g_bad_fork_message = std::move(message);
+  g_in_bad_fork = true;
 }
+
+void throw_bad_fork() { TORCH_CHECK(false, g_bad_fork_message); }
 
 c10::DeviceIndex device_count() {
   int n = g_count.load();

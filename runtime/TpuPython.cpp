@@ -278,7 +278,7 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_device_count", []() { return static_cast<int>(device_count()); });
   m.def("_runtime_started", &runtime_started);
-  m.def("_mark_bad_fork", []() { g_in_bad_fork = true; });
+  m.def("_mark_bad_fork", [](std::string message) { mark_bad_fork(std::move(message)); });
   m.def("_in_bad_fork", []() { return g_in_bad_fork; });
   m.def("_current_device", []() { return static_cast<int>(current_device()); });
   m.def("_set_device", [](int index) { set_current_device(static_cast<c10::DeviceIndex>(index)); });

@@ -85,7 +85,7 @@ def _after_fork_in_child() -> None:
     in_bad_fork = True
     from torch_tpu import _C
 
-    _C._mark_bad_fork()
+    _C._mark_bad_fork(str(fork_error()))  # the C++ checks raise the same error
 
 
 def fork_error() -> RuntimeError:
