@@ -313,6 +313,8 @@ class OpKernel:
         return run
 
     def compute(self, vals: list, out_dtype: Any = None) -> tuple[int, Any]:
+        if _runtime.in_bad_fork:  # the slow path of every lowering (the fast path reads storages in C++)
+            raise _runtime.fork_error()
         index, dyn, static, has_arrays = self.prepare(vals)
         key = (static, out_dtype) if has_arrays else (static, out_dtype, index)
         if _deferred.fusing and self.lowering.jit and _deferred.recording():

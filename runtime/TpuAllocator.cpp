@@ -138,6 +138,9 @@ void drop_array(PyObject* array) {
   // Deleters run on any thread (the autograd engine's device threads too) and possibly during
   // interpreter shutdown, when touching Python objects is no longer allowed.
   if (!Py_IsInitialized() || _Py_IsFinalizing()) return;
+  // In a forked child the array's PJRT buffer belongs to the parent's client: releasing it could wait on
+  // threads that did not survive fork(). Leak it; the child's memory goes with the child.
+  if (g_in_bad_fork) return;
   PyGILState_STATE st = PyGILState_Ensure();
   Py_DECREF(array);
   PyGILState_Release(st);
@@ -152,6 +155,10 @@ void delete_buffer(void* ctx) {
 }
 
 c10::DataPtr make_data_ptr(TpuBuffer* buf) {
+  if (C10_UNLIKELY(g_in_bad_fork)) {
+    delete buf;
+    throw_bad_fork();
+  }
   buf->addr = address_space().acquire(buf->nbytes);
   g_live.fetch_add(1, std::memory_order_relaxed);
   return c10::DataPtr(buf->addr, buf, &delete_buffer, c10::Device(kTpu, buf->device));
@@ -185,6 +192,7 @@ TpuBuffer* buffer_of(const c10::Storage& storage) {
   const c10::DataPtr& dp = storage.data_ptr();
   TORCH_CHECK(dp.device().type() == kTpu && dp.get_deleter() == &delete_buffer,
               "torch_tpu: expected a tpu storage, got one on ", dp.device());
+  check_not_forked();  // every read and write of a storage's array comes here
   return static_cast<TpuBuffer*>(dp.get_context());
 }
 

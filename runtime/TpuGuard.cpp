@@ -98,6 +98,18 @@ C10_REGISTER_GUARD_IMPL(PrivateUse1, TpuGuardImpl);
 
 bool runtime_started() { return g_count.load() >= 0; }
 
+bool g_in_bad_fork = false;
+namespace {
+std::string g_bad_fork_message;
+}  // namespace
+
+void mark_bad_fork(std::string message) {
+  g_bad_fork_message = std::move(message);
+  g_in_bad_fork = true;
+}
+
+void throw_bad_fork() { TORCH_CHECK(false, g_bad_fork_message); }
+
 c10::DeviceIndex device_count() {
   int n = g_count.load();
   if (n < 0) n = start_runtime();
@@ -116,6 +128,7 @@ void check_device_index(c10::DeviceIndex index) {
 }
 
 void set_current_device(c10::DeviceIndex index) {
+  check_not_forked();
   if (index == t_current) return;
   check_device_index(index);
   t_current = index;

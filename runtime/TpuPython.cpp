@@ -278,6 +278,8 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_device_count", []() { return static_cast<int>(device_count()); });
   m.def("_runtime_started", &runtime_started);
+  m.def("_mark_bad_fork", [](std::string message) { mark_bad_fork(std::move(message)); });
+  m.def("_in_bad_fork", []() { return g_in_bad_fork; });
   m.def("_current_device", []() { return static_cast<int>(current_device()); });
   m.def("_set_device", [](int index) { set_current_device(static_cast<c10::DeviceIndex>(index)); });
   m.def("_check_device", [](int index) { check_device_index(static_cast<c10::DeviceIndex>(index)); });
@@ -286,6 +288,7 @@ PYBIND11_MODULE(_C, m) {
     return py::reinterpret_steal<py::object>(THPGenerator_initDefaultGenerator(g));  // new reference; cached by torch_tpu
   });
   m.def("_philox_step", [](py::handle gen, uint64_t increment) {
+    check_not_forked();  // random kernels build their key from it before touching a storage
     return generator_arg(gen)->philox_step(increment);
   });
   m.def("_live_buffers", &live_buffers);

@@ -49,6 +49,17 @@ void set_current_device(c10::DeviceIndex index);
 void check_device_index(c10::DeviceIndex index);
 bool runtime_started();
 
+// ---- fork (TpuGuard.cpp) ----
+// PJRT's threads and connections do not survive fork(): a child forked after the runtime started cannot use
+// tpu. torch_tpu._runtime marks such a child (os.register_at_fork, registered once the runtime started); from
+// then on every tpu use raises CUDA's kind of error instead of hanging, and deleters skip PJRT calls.
+extern bool g_in_bad_fork;
+void mark_bad_fork(std::string message);  // the error every tpu use raises from then on
+[[noreturn]] void throw_bad_fork();
+inline void check_not_forked() {
+  if (C10_UNLIKELY(g_in_bad_fork)) throw_bad_fork();
+}
+
 // ---- Python callbacks installed by torch_tpu at import (TpuPython.cpp) ----
 struct Callbacks {
   PyObject* start_runtime = nullptr;  // () -> int device count

@@ -360,6 +360,54 @@ def _scenario_kill() -> None:
     raise AssertionError("the survivors finished 1000 all_reduces without the dead rank")
 
 
+def _scenario_order() -> None:
+    """The start-up orders a user may write under torchrun (TEST_ORDER), then one all_reduce."""
+    import torch
+    import torch.distributed as dist
+
+    local, order = int(os.environ["LOCAL_RANK"]), os.environ["TEST_ORDER"]
+    timeout = timedelta(seconds=60)
+    dev = torch.device("tpu", local)
+    if order == "set_device first":  # the user guide's order (rank 0's set_device(0) does not start the runtime)
+        torch.tpu.set_device(local)
+        dist.init_process_group("tpu_dist", timeout=timeout)
+    elif order == "init first":
+        dist.init_process_group("tpu_dist", timeout=timeout)
+        torch.tpu.set_device(local)
+    elif order == "device_id":
+        dist.init_process_group("tpu_dist", timeout=timeout, device_id=dev)
+    else:  # no set_device at all: tensors name their device
+        dist.init_process_group("tpu_dist", timeout=timeout)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    t = torch.full((3,), float(rank + 1), device=dev)
+    dist.all_reduce(t)
+    assert t.cpu().tolist() == [float(n * (n + 1) // 2)] * 3, t
+    dist.destroy_process_group()
+    print(f"rank {rank}: order ok", flush=True)
+
+
+def _scenario_startup_fault() -> None:
+    """A start-up that cannot complete (TEST_FAULT) must be a Python error within the timeout, not an abort."""
+    import torch.distributed as dist
+
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    fault = os.environ["TEST_FAULT"]
+    timeout = timedelta(seconds=10)
+    try:
+        if fault == "absent":  # the last rank never calls init_process_group
+            if rank == n - 1:
+                print(f"rank {rank}: leaves without init", flush=True)
+                return
+            dist.init_process_group("tpu_dist", timeout=timeout)
+        else:  # "split stores": each rank rendezvouses on its own store, so none ever sees the others
+            store = dist.FileStore(f"{os.environ['TEST_STORE']}.{rank}", n)
+            dist.init_process_group("tpu_dist", store=store, rank=rank, world_size=n, timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - the point: a Python exception reaches the script
+        print(f"rank {rank}: start-up error {type(e).__name__}: {e}", flush=True)
+        return
+    raise AssertionError("init_process_group completed without the other ranks")
+
+
 def _worker_main(scenario: str) -> None:
     globals()[f"_scenario_{scenario}"]()
 
@@ -403,9 +451,10 @@ def _launch(n: int, scenario: str, timeout: float, tmp_path: Path, env: dict[str
     return results
 
 
-def _torchrun(n: int, scenario: str, timeout: float, tmp_path: Path) -> list[tuple[int | None, str]]:
+def _torchrun(n: int, scenario: str, timeout: float, tmp_path: Path, env: dict[str, str] | None = None
+              ) -> list[tuple[int | None, str]]:
     """Starts n ranks with torchrun itself (its agent hosts the store); one combined log for all ranks."""
-    e = dict(os.environ, TEST_STORE=str(tmp_path / "filestore"), PYTHONUNBUFFERED="1")
+    e = dict(os.environ, TEST_STORE=str(tmp_path / "filestore"), PYTHONUNBUFFERED="1", **(env or {}))
     for k in ("TORCH_TPU_NUM_DEVICES", "TORCH_TPU_PLATFORM", "TORCH_TPU_CPU_FALLBACK", "TORCH_TPU_EAGER_MODE"):
         e.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", f"--master-port={_free_port()}",
@@ -471,6 +520,26 @@ if __name__ != "__main__":
             assert want in out, _report(results)
         # survivors must not wait for much more than the process-group timeout (start-up included)
         assert time.monotonic() - t0 < 100, _report(results)
+
+    @pytest.mark.parametrize("order", ["set_device first", "init first", "device_id", "no set_device"])
+    def test_torchrun_start_up_orders(order: str, tmp_path: Path) -> None:
+        """The user guide's order (set_device, then init_process_group without device_id=) and the others: every
+        rank joins JAX's world through the same store keys whichever comes first."""
+        e = {"TEST_ORDER": order}
+        _expect_ok(_torchrun(2, "order", 180, tmp_path, e), "order ok")
+
+    @pytest.mark.parametrize("fault", ["absent", "split stores"])
+    def test_start_up_failure_is_a_python_error(fault: str, tmp_path: Path) -> None:
+        """A rank that never calls init, or ranks that never meet: each waiting rank gets a Python exception within
+        init_process_group's timeout and the process exits normally (JAX's client would abort it with SIGABRT)."""
+        results = _launch(2, "startup_fault", 120, tmp_path, {"TEST_FAULT": fault})
+        waiting = [0] if fault == "absent" else [0, 1]
+        for r, (rc, out) in enumerate(results):
+            assert rc == 0, _report(results)  # not -6 (SIGABRT), not killed at the harness timeout
+            if r in waiting:
+                assert f"rank {r}: start-up error" in out, _report(results)
+        if fault == "split stores":
+            assert "never came" in results[0][1], _report(results)
 
     def test_registered_without_importing_jax() -> None:
         r = run_python(

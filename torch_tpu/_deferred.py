@@ -27,7 +27,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
-from torch_tpu import _checks, _metrics
+from torch_tpu import _checks, _metrics, _runtime
 from torch_tpu._jax import jax
 
 
@@ -515,6 +515,8 @@ class Jitted:
         self.key = (name, key) if key is not None else (name, _LOCAL, next(_ids))
 
     def __call__(self, *args: Any) -> Any:
+        if _runtime.in_bad_fork:  # kernels that compute before touching a storage (fill_, random_) come here
+            raise _runtime.fork_error()
         if fusing and not getattr(_tls, "suspended", 0):
             return record(self._index(args), self.key, self.fn, args)
         if self._jitted is None:

@@ -18,6 +18,11 @@ _lock = threading.RLock()
 _configured = False
 _devices: list[Any] | None = None
 _platform: str | None = None
+# True in a child forked after the runtime started: PJRT (its threads, its connections) does not survive
+# fork(), so every tpu use there raises instead of hanging (as CUDA does). Checked at the runtime's choke
+# points: here (start, device lookup, synchronize), the executors' entries and the C++ storage accessors.
+in_bad_fork = False
+_fork_hook = False
 
 PLATFORMS = ("cpu", "tpu", "cuda")
 
@@ -75,11 +80,35 @@ def _pick_devices() -> tuple[str, list[Any]]:
         return "cpu", jax.local_devices(backend="cpu")
 
 
+def _after_fork_in_child() -> None:
+    global in_bad_fork
+    in_bad_fork = True
+    from torch_tpu import _C
+
+    _C._mark_bad_fork(str(fork_error()))  # the C++ checks raise the same error
+
+
+def fork_error() -> RuntimeError:
+    return RuntimeError(
+        "torch_tpu: cannot re-initialize tpu in a forked subprocess; to use tpu with multiprocessing, you must "
+        "use the 'spawn' start method (multiprocessing.set_start_method('spawn'), or DataLoader(..., "
+        "multiprocessing_context='spawn')). This process was forked after the tpu runtime started in its "
+        "parent, and PJRT does not survive fork(); fork before the first tpu use, or keep tpu work out of the "
+        "forked processes."
+    )
+
+
+def check_not_forked() -> None:
+    if in_bad_fork:
+        raise fork_error()
+
+
 def start() -> int:
     """Starts the PJRT client; returns the device count. Called by the C++ runtime on first tpu use."""
-    global _devices, _platform
+    global _devices, _platform, _fork_hook
     from torch_tpu import _config
 
+    check_not_forked()
     _config.check()  # bad TORCH_TPU_* values read at `import torch` stop the first (and every) tpu use
     with _lock:
         if _devices is None:
@@ -93,6 +122,9 @@ def start() -> int:
             _C._set_dtype_map(dict(_JAX_TO_TORCH))
             _metrics.install_listener()
             compile_cache.install()
+            if not _fork_hook:  # only now: a child forked before the first tpu use starts its own runtime
+                os.register_at_fork(after_in_child=_after_fork_in_child)
+                _fork_hook = True
         return len(_devices)
 
 
@@ -105,6 +137,8 @@ def _join_launcher_world() -> None:
 
 
 def devices() -> list[Any]:
+    if in_bad_fork:
+        raise fork_error()
     if _devices is None:
         from torch_tpu import _C
 
@@ -244,6 +278,7 @@ def synchronize(index: int | None = None) -> None:
     """Waits for all work queued on tpu devices (or on tpu:`index`)."""
     if _devices is None:
         return
+    check_not_forked()
     import jax
 
     from torch_tpu import _checks, _deferred, _metrics

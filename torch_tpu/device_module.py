@@ -57,21 +57,10 @@ def is_initialized() -> bool:
     return bool(_C._runtime_started())
 
 
-_in_bad_fork = False
-
-
-def _after_fork_in_child() -> None:
-    global _in_bad_fork
-    # A PJRT client does not survive fork(): a child forked after the runtime started cannot use tpu.
-    if _C._runtime_started():
-        _in_bad_fork = True
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
 def _is_in_bad_fork() -> bool:
-    return _in_bad_fork
+    """True in a child forked after the tpu runtime started in its parent (tpu use raises there), as
+    torch.cuda._is_in_bad_fork."""
+    return _runtime.in_bad_fork
 
 
 def _lazy_init() -> None:
