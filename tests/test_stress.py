@@ -127,3 +127,31 @@ def test_no_mappings_left_is_a_clear_error_not_a_crash(tmp_path):
     stats = _stress(tmp_path, 30, "900")
     assert stats["error"] is not None, stats
     assert "vm.max_map_count" in stats["error"] and "sysctl" in stats["error"]
+
+
+def test_collecting_mid_workload_keeps_pending_and_cached_values(tpu):
+    # A collection drops every compiled program, also while a fused graph is pending and between an op's
+    # compile and its next call: everything recompiles on demand and computes the same values as CPU.
+    import torch
+
+    from torch_tpu import _C, _programs
+
+    a_cpu = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    a = a_cpu.to(tpu)
+    before = (a * 3 + 1).sum(0).cpu()
+    old = torch.tpu.eager_mode
+    torch.tpu.eager_mode = torch.tpu.EagerMode.DEFER_AND_FUSE
+    try:
+        b = a.t() * 2  # pending
+        _programs.collect()
+        c = b + a.t()
+        _C._set_collect_due()  # collected at the next op's result, inside the recorded graph
+        d = c.sum(1)
+        torch.testing.assert_close(d.cpu(), (a_cpu.t() * 3).sum(1))
+    finally:
+        torch.tpu.eager_mode = old
+    n = _programs.state.collections
+    _C._set_collect_due()
+    after = (a * 3 + 1).sum(0)
+    assert _programs.state.collections == n + 1
+    torch.testing.assert_close(after.cpu(), before)
