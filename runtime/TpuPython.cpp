@@ -12,6 +12,8 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <atomic>
+
 namespace torch_tpu {
 
 Callbacks& callbacks() {
@@ -53,6 +55,21 @@ inline void resolve_pending(TpuBuffer* buf) {
   Py_DECREF(v);
 }
 
+// Compiled-program collection (torch_tpu/_programs.py): the compile listener only marks a collection due (it
+// runs inside JAX's compile path); the accessors that store an op's result run the collector first, after the
+// JAX call that made the result has returned. Returns false with a Python error set if the collector raised.
+std::atomic<bool> g_collect_due{false};
+PyObject* g_collector = nullptr;
+
+inline bool collect_if_due() {
+  if (!g_collect_due.load(std::memory_order_relaxed) || g_collector == nullptr) return true;
+  if (!g_collect_due.exchange(false)) return true;
+  PyObject* r = PyObject_CallNoArgs(g_collector);
+  if (r == nullptr) return false;
+  Py_DECREF(r);
+  return true;
+}
+
 const at::Tensor& tensor_arg(PyObject* obj) {
   if (!THPVariable_Check(obj)) throw py::type_error("torch_tpu._C: expected a tensor");
   return THPVariable_Unpack(obj);
@@ -84,6 +101,7 @@ PyObject* py_wrap(PyObject* /*self*/, PyObject* args) {
   PyObject *array, *dtype;
   int device;
   if (!PyArg_ParseTuple(args, "OOi", &array, &dtype, &device)) return nullptr;
+  if (!collect_if_due()) return nullptr;
   if (dtype == Py_None) {
     TORCH_CHECK(g_dtype_map != nullptr, "torch_tpu: internal error: dtype map not set");
     PyObject* npdt = PyObject_GetAttrString(array, "dtype");
@@ -117,6 +135,7 @@ PyObject* py_set_array(PyObject* /*self*/, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject *obj, *array, *dtype;
   if (!PyArg_ParseTuple(args, "OOO", &obj, &array, &dtype)) return nullptr;
+  if (!collect_if_due()) return nullptr;
   c10::Storage storage = storage_arg(obj);
   TpuBuffer* buf = buffer_of(storage);
   c10::ScalarType st = scalar_type_of(dtype);
@@ -206,6 +225,7 @@ PyObject* py_set_whole(PyObject* /*self*/, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject *obj, *array;
   if (!PyArg_ParseTuple(args, "OO", &obj, &array)) return nullptr;
+  if (!collect_if_due()) return nullptr;
   const at::Tensor& t = tensor_arg(obj);
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   if (impl->device_type() != kTpu || impl->storage_offset() != 0 || !impl->is_contiguous()) Py_RETURN_FALSE;
@@ -231,6 +251,18 @@ PyObject* py_set_pending_type(PyObject* /*self*/, PyObject* type) {
   Py_RETURN_NONE;
 }
 
+PyObject* py_set_collector(PyObject* /*self*/, PyObject* fn) {
+  Py_INCREF(fn);
+  Py_XDECREF(g_collector);
+  g_collector = fn;
+  Py_RETURN_NONE;
+}
+
+PyObject* py_set_collect_due(PyObject* /*self*/, PyObject* /*unused*/) {
+  g_collect_due.store(true);
+  Py_RETURN_NONE;
+}
+
 PyObject* py_set_dtype_map(PyObject* /*self*/, PyObject* map) {
   Py_INCREF(map);
   Py_XDECREF(g_dtype_map);
@@ -241,6 +273,8 @@ PyObject* py_set_dtype_map(PyObject* /*self*/, PyObject* map) {
 PyMethodDef kFastMethods[] = {
     {"_fast_args", py_fast_args, METH_O, "(device, mask, arrays) when every argument takes the fast path"},
     {"_set_dtype_map", py_set_dtype_map, METH_O, "{numpy dtype: torch.dtype} used by _wrap"},
+    {"_set_collector", py_set_collector, METH_O, "the compiled-program collector (torch_tpu._programs.collect)"},
+    {"_set_collect_due", py_set_collect_due, METH_NOARGS, "run the collector at the next safe point"},
     {"_set_pending_type", py_set_pending_type, METH_O, "the deferred-value placeholder type (resolved on read)"},
     {"_set_whole", py_set_whole, METH_VARARGS, "swap in an array of exactly the tensor's shape and dtype"},
     {"_array", py_array, METH_O, "the storage's array if the tensor views it whole, else None"},

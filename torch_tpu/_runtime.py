@@ -117,10 +117,11 @@ def start() -> int:
             _platform, _devices = _pick_devices()
             if not _JAX_TO_TORCH:
                 _build_dtype_maps()
-            from torch_tpu import _C, _metrics, compile_cache
+            from torch_tpu import _C, _metrics, _programs, compile_cache
 
             _C._set_dtype_map(dict(_JAX_TO_TORCH))
             _metrics.install_listener()
+            _programs.install()  # bounds the compiled programs kept alive (XLA:CPU maps memory per kernel)
             compile_cache.install()
             if not _fork_hook:  # only now: a child forked before the first tpu use starts its own runtime
                 os.register_at_fork(after_in_child=_after_fork_in_child)
