@@ -168,6 +168,33 @@ def test_value_pending_in_one_thread_read_by_another() -> None:
     """)
 
 
+def test_graphs_of_a_finished_thread_are_released_or_still_readable() -> None:
+    _run("""
+        import gc, threading, weakref, torch
+        from torch_tpu import _deferred
+        x = torch.arange(6.0)
+        box = {}
+        def worker(keep):
+            torch.tpu.eager_mode = "DEFER_AND_FUSE"
+            xd = x.to("tpu")
+            torch.tpu.synchronize()
+            y = xd * 2 + 1  # pending, never read in this thread
+            (graph,) = _deferred._graphs.values()  # the main thread records nothing
+            box["graph"] = weakref.ref(graph)
+            if keep:
+                box["y"] = y
+        for keep in (False, True):
+            t = threading.Thread(target=worker, args=(keep,)); t.start(); t.join(60); assert not t.is_alive()
+            gc.collect()
+            assert not _deferred._graphs, _deferred._graphs  # nothing records there any more
+            if keep:
+                torch.testing.assert_close(box["y"].cpu(), x * 2 + 1)  # its graph runs when read
+            else:
+                assert box["graph"]() is None  # nobody can read it: freed with its inputs
+        print("ok")
+    """)
+
+
 def test_mode_switch_in_one_thread_while_another_runs_ops() -> None:
     _run("""
         import threading, torch
@@ -225,6 +252,8 @@ def train(model, x, y, device, steps=6, compiled=False):
         loss = fwd(x, y)
         loss.backward()
         opt.step()
+        if device == "tpu":
+            torch.tpu.synchronize()  # waits for both threads' device work while the other one runs
         losses.append(loss.item())
     return losses, [p.detach().cpu() for p in model.parameters()]
 

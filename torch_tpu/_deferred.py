@@ -247,7 +247,30 @@ def _graph(index: int) -> _Graph:
     g = _graphs.get(key)
     if g is None:
         g = _graphs[key] = _Graph(*key)
+        if getattr(_thread_end, "owner", None) is None and key[0] == _C._thread_id():
+            _thread_end.owner = _ThreadEnd(key[0])
     return g
+
+
+class _ThreadEnd:
+    """Lives in a recording thread's thread-local state: when the thread ends, its graphs leave `_graphs`.
+    Placeholders still alive keep their graph (and can run it); a graph nobody can read is freed with its inputs."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: int) -> None:
+        self.owner = owner
+
+    def __del__(self) -> None:
+        try:
+            with _lock:
+                for key in [k for k in _graphs if k[0] == self.owner]:
+                    del _graphs[key]
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+_thread_end = threading.local()
 
 
 class _Transfer(Exception):
@@ -575,16 +598,10 @@ def _op_name(fn: Any) -> str:
     return getattr(fn, "_torch_tpu_op", None) or getattr(fn, "__qualname__", "op")
 
 
-def flush_all(reason: str) -> None:
-    """Runs every thread's pending graphs (torch.tpu.synchronize)."""
-    with _lock:
-        graphs = list(_graphs.values())
-    for g in graphs:
-        flush(g, reason)
-
-
 def flush_thread(reason: str) -> None:
-    """Runs the pending graphs the calling thread records into (its own, or in a backward pass its caller's)."""
+    """Runs the pending graphs the calling thread records into (its own, or in a backward pass its caller's).
+    Other threads' graphs are theirs to run, like ops they have not issued yet: running them from here would
+    cut their graphs at arbitrary points, so each flush would have a new structure to compile."""
     owner = _C._graph_owner()
     with _lock:
         graphs = [g for (o, _), g in _graphs.items() if o == owner]
