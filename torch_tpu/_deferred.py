@@ -3,8 +3,8 @@
 Every kernel computes its result with jitted JAX functions: the registry's per-op callables
 (kernels/registry.py), the storage readers and writers (_storage.py) and the helpers kernels build with
 `jitted()`. In the eager modes they run at once. Under DEFER_AND_FUSE, `record()` appends the call to the
-calling thread's pending graph of its device instead and returns `Pending` placeholders carrying the result's shape and dtype
-(from a cached `jax.eval_shape`); storages hold these placeholders like arrays. `flush()` runs the whole
+calling thread's pending graph of its device instead and returns `Pending` placeholders carrying the result's
+shape and dtype (from a cached `jax.eval_shape`); storages hold these placeholders like arrays. `flush()` runs the whole
 graph as one cached `jax.jit` program whose outputs are only the placeholders still alive (a storage or a
 tensor holds them): results nobody can read are never materialised. The C++ accessors swap a resolved
 placeholder for its array on first read (runtime/TpuPython.cpp).
