@@ -186,6 +186,7 @@ def test_graphs_of_a_finished_thread_are_released_or_still_readable() -> None:
         for keep in (False, True):
             t = threading.Thread(target=worker, args=(keep,)); t.start(); t.join(60); assert not t.is_alive()
             gc.collect()
+            torch.tpu.synchronize()
             assert not _deferred._graphs, _deferred._graphs  # nothing records there any more
             if keep:
                 torch.testing.assert_close(box["y"].cpu(), x * 2 + 1)  # its graph runs when read
@@ -259,6 +260,7 @@ def train(model, x, y, device, steps=6, compiled=False):
 
 specs = [(0, 32), (1, 24)]
 expected = [train(*make(s, w), "cpu") for s, w in specs]
+inputs = [make(s, w) for s, w in specs]  # here: torch.manual_seed is process-wide
 got, errors = [None, None], []
 start = threading.Barrier(2)
 
@@ -267,7 +269,7 @@ def worker(i):
         if MODE is not None:
             torch.tpu.eager_mode = MODE  # this thread's own mode
         start.wait()
-        got[i] = train(*make(*specs[i]), "tpu", compiled=COMPILE)
+        got[i] = train(*inputs[i], "tpu", compiled=COMPILE)
     except BaseException as e:
         import traceback
         errors.append(traceback.format_exc())

@@ -246,6 +246,8 @@ def _graph(index: int) -> _Graph:
     key = (_C._graph_owner(), index)
     g = _graphs.get(key)
     if g is None:
+        if _ended:
+            _drop_ended()
         g = _graphs[key] = _Graph(*key)
         if getattr(_thread_end, "owner", None) is None and key[0] == _C._thread_id():
             _thread_end.owner = _ThreadEnd(key[0])
@@ -253,8 +255,9 @@ def _graph(index: int) -> _Graph:
 
 
 class _ThreadEnd:
-    """Lives in a recording thread's thread-local state: when the thread ends, its graphs leave `_graphs`.
-    Placeholders still alive keep their graph (and can run it); a graph nobody can read is freed with its inputs."""
+    """Lives in a recording thread's thread-local state: when the thread ends, its graphs leave `_graphs` (at the
+    next new graph or flush_thread, under _lock). Placeholders still alive keep their graph (and can run it); a
+    graph nobody can read is freed with its inputs."""
 
     __slots__ = ("owner",)
 
@@ -262,15 +265,18 @@ class _ThreadEnd:
         self.owner = owner
 
     def __del__(self) -> None:
-        try:
-            with _lock:
-                for key in [k for k in _graphs if k[0] == self.owner]:
-                    del _graphs[key]
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+        _ended.append(self.owner)  # atomic; _graphs itself is only changed under _lock
 
 
 _thread_end = threading.local()
+_ended: list[int] = []  # threads that ended since the last _drop_ended
+
+
+def _drop_ended() -> None:
+    while _ended:
+        owner = _ended.pop()
+        for key in [k for k in _graphs if k[0] == owner]:
+            del _graphs[key]
 
 
 class _Transfer(Exception):
@@ -604,6 +610,8 @@ def flush_thread(reason: str) -> None:
     cut their graphs at arbitrary points, so each flush would have a new structure to compile."""
     owner = _C._graph_owner()
     with _lock:
+        if _ended:
+            _drop_ended()
         graphs = [g for (o, _), g in _graphs.items() if o == owner]
     for g in graphs:
         flush(g, reason)
