@@ -326,8 +326,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
         index = self._device_index()
         # A collective is its own XLA program over the group's devices: DEFER_AND_FUSE's pending work on this
         # device runs first, and the group's thread reads and writes tensors eagerly.
-        if _deferred.fusing:
-            _deferred.flush_all("collective")
+        if _deferred.recording():
+            _deferred.flush_thread("collective")
 
         def run() -> list[torch.Tensor]:
             torch.tpu.set_device(index)

@@ -32,6 +32,8 @@ from torch_tpu import _C, _checks, _deferred, _metrics, _runtime, _storage
 _fast_args = _C._fast_args
 _wrap = _C._wrap
 _set_whole = _C._set_whole
+_current_mode = _C._mode  # the calling thread's execution mode (torch_tpu/_deferred.py)
+_recording = _C._recording
 from torch_tpu._jax import jax, jnp
 
 DEFAULT = ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT
@@ -317,7 +319,7 @@ class OpKernel:
             raise _runtime.fork_error()
         index, dyn, static, has_arrays = self.prepare(vals)
         key = (static, out_dtype) if has_arrays else (static, out_dtype, index)
-        if _deferred.fusing and self.lowering.jit and _deferred.recording():
+        if self.lowering.jit and _recording():
             run = self._runs.get(key)
             if run is None:
                 run = self._runs[key] = self._traced(static, out_dtype)
@@ -350,11 +352,11 @@ class OpKernel:
         if not kwargs:
             fast = _fast_args(args)
             if fast is not None:
-                if not _deferred.mode:
+                if not _current_mode():
                     fn = self._fast.get((len(args), fast[1], None))
                     if fn is not None:
                         return _wrap(fn(*fast[2]), None, fast[0])
-                elif _deferred.fusing and _deferred.recording():
+                elif _recording():
                     entry = self._fast_rec.get((len(args), fast[1], None))
                     if entry is not None:
                         return _wrap(_deferred.record(fast[0], entry[0], entry[1], fast[2]), None, fast[0])
@@ -367,13 +369,13 @@ class OpKernel:
                          inplace_dtype: torch.dtype | None = None) -> None:
         """After a call that took the slow path: wait for the device under DEFER_NEVER_AND_LAUNCH_BLOCKING, else
         install the fast-path entry for calls shaped like this one (the recorded kind under DEFER_AND_FUSE)."""
-        mode = _deferred.mode
+        mode = _current_mode()
         if mode == _deferred.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
             _deferred.block_arrays(out)
             return
         if kwargs or not self.lowering.jit or not self._fast_ok[len(args)] or isinstance(out, (tuple, list)):
             return
-        if mode and not _deferred.recording():
+        if mode and not _recording():
             return  # inside a kernel that runs eagerly under DEFER_AND_FUSE: no entry for either table
         fast = _fast_args(args)
         if fast is not None:
@@ -408,11 +410,11 @@ class OpKernel:
         if not kwargs:
             fast = _fast_args(args)
             if fast is not None:
-                if not _deferred.mode:
+                if not _current_mode():
                     fn = self._fast.get((len(args), fast[1], args[0].dtype))
                     if fn is not None and _set_whole(args[0], fn(*fast[2])):
                         return args[0]
-                elif _deferred.fusing and _deferred.recording():
+                elif _recording():
                     entry = self._fast_rec.get((len(args), fast[1], args[0].dtype))
                     if entry is not None and _set_whole(args[0], _deferred.record(fast[0], entry[0], entry[1],
                                                                                   fast[2])):
@@ -438,7 +440,7 @@ class OpKernel:
                 raise _device_mismatch(self.name, torch.device("tpu", _C._current_device()), o.device)
         index, result = self.compute(vals)
         write_outs(self.name, outs, result if isinstance(result, (tuple, list)) else (result,))
-        if _deferred.mode == _deferred.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
+        if _current_mode() == _deferred.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
             _deferred.block_arrays(result)
         return outs[0] if n_out == 1 else tuple(outs)
 

@@ -6,22 +6,26 @@
 #include <c10/util/Exception.h>
 
 #include <atomic>
-#include <mutex>
 
 namespace torch_tpu {
 namespace {
 
 thread_local c10::DeviceIndex t_current = 0;
 std::atomic<int> g_count{-1};  // -1: runtime not started
-std::mutex g_start_mu;
 
+// Starts the runtime once. The once-logic is torch_tpu._runtime.start's lock, taken under the GIL: the start
+// imports JAX, which releases the GIL, so a C++ mutex held across the call would deadlock against a second
+// thread waiting for that mutex while holding the GIL. A Python lock releases the GIL while it waits. Callers
+// without the GIL (the autograd engine starting its device threads) take it here.
 int start_runtime() {
-  std::lock_guard<std::mutex> lock(g_start_mu);
-  int n = g_count.load();
-  if (n >= 0) return n;
   TORCH_CHECK(callbacks().start_runtime != nullptr,
               "torch_tpu: the runtime is not initialised (import torch_tpu first)");
   PyGILState_STATE st = PyGILState_Ensure();
+  int n = g_count.load();
+  if (n >= 0) {
+    PyGILState_Release(st);
+    return n;
+  }
   PyObject* res = PyObject_CallNoArgs(callbacks().start_runtime);
   if (res == nullptr) {
     PyObject *type, *value, *tb;
@@ -37,8 +41,8 @@ int start_runtime() {
   }
   n = static_cast<int>(PyLong_AsLong(res));
   Py_DECREF(res);
-  PyGILState_Release(st);
   g_count.store(n);
+  PyGILState_Release(st);
   return n;
 }
 

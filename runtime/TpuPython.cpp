@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/TensorImpl.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Generator.h>
 #include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -40,7 +41,9 @@ c10::ScalarType scalar_type_of(PyObject* dtype) {
 
 // DEFER_AND_FUSE (torch_tpu/_deferred.py): a storage may hold a `Pending` placeholder for a value that a
 // deferred graph will compute. Once the graph ran, the placeholder's `value` is the device array: every
-// accessor below swaps it into the storage on first read, so later reads take the plain fast path.
+// accessor below swaps it into the storage on first read, so later reads take the plain fast path. A thread
+// that is not recording (another thread's value, or its own after its mode changed) computes the value first:
+// an eager kernel never sees a placeholder.
 PyObject* g_pending_type = nullptr;
 
 inline void resolve_pending(TpuBuffer* buf) {
@@ -50,6 +53,21 @@ inline void resolve_pending(TpuBuffer* buf) {
   if (v == nullptr) {
     PyErr_Clear();
     return;
+  }
+  if (v == Py_None && !recording()) {
+    Py_DECREF(v);
+    Py_INCREF(a);  // the flush may release the GIL: another thread may swap the storage's array meanwhile
+    v = PyObject_CallMethod(a, "concrete", nullptr);
+    if (v == nullptr) {
+      Py_DECREF(a);
+      throw python_error();
+    }
+    bool same = buf->array == a;
+    Py_DECREF(a);
+    if (!same) {
+      Py_DECREF(v);
+      return resolve_pending(buf);
+    }
   }
   if (v != Py_None) set_buffer_array(buf, v, buf->array_dtype, buf->array_shape);
   Py_DECREF(v);
@@ -296,10 +314,12 @@ TpuGeneratorImpl* generator_arg(py::handle gen) {
 PYBIND11_MODULE(_C, m) {
   using namespace torch_tpu;
   m.doc() = "torch_tpu C++ runtime: allocator, device guard, hooks, generator, metadata kernels";
-  for (PyMethodDef* d = kFastMethods; d->ml_name != nullptr; ++d) {
-    PyObject* f = PyCFunction_NewEx(d, nullptr, m.ptr());
-    if (f == nullptr) throw py::error_already_set();
-    m.add_object(d->ml_name, py::reinterpret_steal<py::object>(f));
+  for (PyMethodDef* table : {kFastMethods, mode_methods()}) {
+    for (PyMethodDef* d = table; d->ml_name != nullptr; ++d) {
+      PyObject* f = PyCFunction_NewEx(d, nullptr, m.ptr());
+      if (f == nullptr) throw py::error_already_set();
+      m.add_object(d->ml_name, py::reinterpret_steal<py::object>(f));
+    }
   }
   m.def("_set_callbacks", [](py::object start_runtime, py::object resize_array, py::object synchronize) {
     Callbacks& cb = callbacks();

@@ -60,6 +60,12 @@ inline void check_not_forked() {
   if (C10_UNLIKELY(g_in_bad_fork)) throw_bad_fork();
 }
 
+// ---- execution modes (TpuMode.cpp) ----
+// True when tpu ops on the calling thread are recorded into a pending graph (DEFER_AND_FUSE, not suspended).
+bool recording();
+// The Python functions of the mode state (_mode, _recording, _set_thread_mode, ...), null-terminated.
+PyMethodDef* mode_methods();
+
 // ---- Python callbacks installed by torch_tpu at import (TpuPython.cpp) ----
 struct Callbacks {
   PyObject* start_runtime = nullptr;  // () -> int device count

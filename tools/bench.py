@@ -121,6 +121,57 @@ def bench_training() -> None:
               f"  -> tpu/cpu {rates['tpu'] / rates['cpu']:.2f}x")
 
 
+def bench_threads() -> None:
+    """Two small models trained in two threads at once vs one after the other in one thread, per mode (ratio of
+    wall times; about 1 means the threads cost nothing beyond sharing the host). Each thread records its own
+    DEFER_AND_FUSE graph: interleaving both in one graph recompiled on every step (about 100x)."""
+    import threading
+
+    def make(seed: int, width: int) -> Callable[[], None]:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.ReLU(), torch.nn.Linear(width, 10))
+        model = model.to("tpu")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(16, 32).to("tpu"), torch.randint(0, 10, (16,)).to("tpu")
+
+        def step() -> None:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+        return step
+
+    print(f"threads  platform={torch.tpu.get_device_name()}  (2 models x 30 steps, torch.tpu.synchronize() per"
+          " step)")
+    for mode in ("DEFER_NEVER", "DEFER_AND_FUSE"):
+        steps = [make(0, 64), make(1, 48)]
+
+        def train(step: Callable[[], None], mode: str = mode, n: int = 30) -> None:
+            with torch.tpu.set_eager_mode(mode):
+                for _ in range(n):
+                    step()
+                    torch.tpu.synchronize()
+
+        def one_thread() -> None:
+            for s in steps:
+                train(s)
+
+        def two_threads() -> None:
+            ts = [threading.Thread(target=train, args=(s,)) for s in steps]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+
+        one_thread(), two_threads()  # warm-up: compile
+        samples: dict[str, list[float]] = {"one": [], "two": []}
+        for _ in range(5):
+            samples["one"].append(per_call_us(one_thread, 1) / 1e3)
+            samples["two"].append(per_call_us(two_threads, 1) / 1e3)
+        one, two = statistics.median(samples["one"]), statistics.median(samples["two"])
+        print(f"  {mode:<15} one thread {one:7.1f} ms  two threads {two:7.1f} ms  -> two/one {two / one:.2f}x")
+
+
 def _example(name: str):
     import importlib.util
     from pathlib import Path
@@ -602,7 +653,8 @@ def bench_index_checks() -> None:
 
 BENCHMARKS = {"eager_overhead": bench_eager_overhead, "op_overhead": bench_op_overhead, "training": bench_training,
               "fuse": bench_fuse, "cold_start": bench_cold_start, "compile": bench_compile,
-              "all_reduce": bench_all_reduce, "index_checks": bench_index_checks}
+              "all_reduce": bench_all_reduce, "index_checks": bench_index_checks,
+              "threads": bench_threads}
 
 
 def main(argv: list[str]) -> int:

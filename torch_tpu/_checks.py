@@ -179,14 +179,17 @@ def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def register(flags: dict[str, Any]) -> None:
+def register(flags: dict[str, Any] | None, quiet: bool = False) -> None:
     """Hands the concrete flags a program computed to the pending list (read at the next synchronization point;
-    right away under DEFER_NEVER_AND_LAUNCH_BLOCKING)."""
+    right away under DEFER_NEVER_AND_LAUNCH_BLOCKING). `quiet`: only queue them (while another exception, e.g. a
+    KeyboardInterrupt, is propagating)."""
     if not flags:
         return
     with _lock:
         _pending.extend(flags.items())
         over = len(_pending) > _MAX_PENDING
+    if quiet:
+        return
     if _launch_blocking():
         raise_pending(at_op=True)
     elif over:
@@ -199,7 +202,7 @@ def register(flags: dict[str, Any]) -> None:
 def _launch_blocking() -> bool:
     from torch_tpu import _deferred
 
-    return _deferred.mode == _deferred.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+    return _deferred.current_mode() == _deferred.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
 
 
 def raise_pending(at_op: bool = False) -> None:

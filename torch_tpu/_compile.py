@@ -60,7 +60,7 @@ def _read_inputs(ts: Sequence[torch.Tensor]) -> list[Any]:
     compiled program is its own XLA program: values still pending are computed first."""
     read = _storage.read
     arrays = [read(t) for t in ts]
-    if _deferred.fusing:
+    if _deferred.recording():
         arrays = [_deferred.concrete(a, "compiled_graph") for a in arrays]
     return arrays
 

@@ -3,8 +3,8 @@
 Every kernel computes its result with jitted JAX functions: the registry's per-op callables
 (kernels/registry.py), the storage readers and writers (_storage.py) and the helpers kernels build with
 `jitted()`. In the eager modes they run at once. Under DEFER_AND_FUSE, `record()` appends the call to the
-pending graph of its device instead and returns `Pending` placeholders carrying the result's shape and dtype
-(from a cached `jax.eval_shape`); storages hold these placeholders like arrays. `flush()` runs the whole
+calling thread's pending graph of its device instead and returns `Pending` placeholders carrying the result's
+shape and dtype (from a cached `jax.eval_shape`); storages hold these placeholders like arrays. `flush()` runs the whole
 graph as one cached `jax.jit` program whose outputs are only the placeholders still alive (a storage or a
 tensor holds them): results nobody can read are never materialised. The C++ accessors swap a resolved
 placeholder for its array on first read (runtime/TpuPython.cpp).
@@ -14,6 +14,12 @@ with data-dependent shapes or any kernel not written for deferral (they run eage
 change, a tensor moving to another device, and a size limit (TORCH_TPU_FUSE_MAX_OPS, default 1000 ops).
 The graph's cache key is structural: per op its callable's id, where its inputs come from, and their
 shapes/dtypes; Python scalars are inputs, so new values do not recompile.
+
+Threads: the mode is per thread with a process default, and each thread records its own graphs, so two
+threads never interleave ops in one graph (which changed its structure, hence recompiled, on every flush).
+The autograd engine's threads record into the graph of the thread that called backward. A placeholder read
+by another thread, or by its own after the mode changed, is computed first: its graph's `run_lock` lets one
+thread run it while the others wait.
 """
 
 from __future__ import annotations
@@ -44,18 +50,18 @@ class EagerMode(enum.IntEnum):
     __repr__ = __str__
 
 
-# The hot paths read these module globals: `mode` (an EagerMode int) and `fusing` (mode is DEFER_AND_FUSE).
-mode = EagerMode.DEFER_NEVER
-fusing = False
-_tls = threading.local()  # .suspended: > 0 while a kernel that needs concrete arrays runs
-_lock = threading.RLock()
+# The mode is per thread with a process default (runtime/TpuMode.cpp keeps it; the hot paths call these two):
+# `current_mode()` is the calling thread's effective mode (its own; inside a backward pass, the caller's; else
+# the process default); `recording()` is True when this thread's tpu ops are recorded (DEFER_AND_FUSE, not
+# suspended). Each thread records into its own pending graphs (one per device); the autograd engine's threads
+# record into the graphs of the thread that called backward (`_C._graph_owner()`).
+from torch_tpu import _C  # noqa: E402
+
+current_mode = _C._mode
+recording = _C._recording
+_lock = threading.RLock()  # graph bookkeeping only: never held while a program compiles or runs
 _ids = itertools.count(1)
 _LOCAL = "<process-local>"  # marks a structural key that is only meaningful in this process
-
-
-def recording() -> bool:
-    """True when tpu ops on this thread are recorded instead of run."""
-    return fusing and not getattr(_tls, "suspended", 0)
 
 
 def _parse_mode(value: Any) -> EagerMode:
@@ -73,24 +79,55 @@ def _parse_mode(value: Any) -> EagerMode:
     )
 
 
-def set_mode(value: Any) -> EagerMode:
-    """Sets the process-wide mode (flushing pending work first); returns the previous one."""
-    global mode, fusing
+def _changed(old: int) -> None:
+    """After the calling thread's effective mode changed from `old`: leaving DEFER_AND_FUSE runs its graphs."""
+    if old == EagerMode.DEFER_AND_FUSE and _C._mode() != old:
+        flush_thread("mode_change")
+
+
+def set_thread_mode(value: Any) -> int:
+    """Sets the calling thread's own mode (None: it runs in the process default again); returns its previous
+    own mode (-1 when it had none), for restore_thread_mode."""
+    new = -1 if value is None else int(_parse_mode(value))
+    old_own, old = _C._thread_mode(), _C._mode()
+    _C._set_thread_mode(new)
+    _changed(old)
+    return old_own
+
+
+def restore_thread_mode(own: int) -> None:
+    old = _C._mode()
+    _C._set_thread_mode(own)
+    _changed(old)
+
+
+def set_default_mode(value: Any) -> EagerMode:
+    """Sets the process default (the mode of threads without one of their own); returns the previous one."""
     new = _parse_mode(value)
-    with _lock:
-        old = mode
-        if old == EagerMode.DEFER_AND_FUSE and new != old:
-            flush_all("mode_change")
-        mode = new
-        fusing = new == EagerMode.DEFER_AND_FUSE
-    return old
+    old_default, old = EagerMode(_C._default_mode()), _C._mode()
+    _C._set_default_mode(int(new))
+    _changed(old)
+    return old_default
+
+
+def set_mode(value: Any) -> None:
+    """`torch.tpu.eager_mode = value`: in the main thread, the process default (which the main thread then runs
+    in, ending a set_eager_mode block's own mode); in any other thread, that thread's own mode."""
+    if threading.current_thread() is threading.main_thread():
+        new = _parse_mode(value)
+        old = _C._mode()
+        _C._set_default_mode(int(new))
+        _C._set_thread_mode(-1)
+        _changed(old)
+    else:
+        set_thread_mode(value)
 
 
 def mode_from_env() -> None:
     value = os.environ.get("TORCH_TPU_EAGER_MODE", "").strip()
     if value:
         try:
-            set_mode(value)
+            set_default_mode(value)
         except ValueError as e:
             raise RuntimeError(f"TORCH_TPU_EAGER_MODE={value!r}: {e}") from None
 
@@ -101,10 +138,10 @@ class suspended:
     __slots__ = ()
 
     def __enter__(self) -> None:
-        _tls.suspended = getattr(_tls, "suspended", 0) + 1
+        _C._suspend(1)
 
     def __exit__(self, *exc: Any) -> None:
-        _tls.suspended -= 1
+        _C._suspend(-1)
 
 
 # ---- placeholders ----
@@ -139,11 +176,12 @@ class Pending:
 
     def concrete(self, reason: str = "value_needed") -> Any:
         if self.value is None:
+            if self.error is None:
+                flush(self.graph, reason)  # any thread may: the graph's run_lock makes one of them run it
             if self.error is not None:
                 raise DeferredError(
                     f"torch_tpu: this tensor's value came from a deferred graph that failed: {self.error}"
                 ) from self.error
-            flush(self.graph, reason)
         return self.value
 
     def __repr__(self) -> str:
@@ -163,10 +201,14 @@ def concrete(x: Any, reason: str = "value_needed") -> Any:
 # ---- the pending graph ----
 
 class _Graph:
-    __slots__ = ("index", "inputs", "input_pos", "nodes", "keys", "pendings", "__weakref__")
+    __slots__ = ("owner", "index", "inputs", "input_pos", "nodes", "keys", "pendings", "done", "run_lock",
+                 "__weakref__")
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, owner: int, index: int) -> None:
+        self.owner = owner  # the thread recording it (runtime/TpuMode.cpp's id)
         self.index = index
+        self.done = False  # ran (or failed): its placeholders hold their values (or errors)
+        self.run_lock = threading.Lock()  # held by the one thread running it; readers elsewhere wait for it
         self.inputs: list[Any] = []  # concrete arguments: device arrays and Python scalars
         # id(device array) -> (spec, signature) of its position in inputs (arrays are deduplicated)
         self.input_pos: dict[int, tuple] = {}
@@ -175,7 +217,7 @@ class _Graph:
         self.pendings: list[weakref.ref] = []  # every placeholder handed out, in order
 
 
-_graphs: dict[int, _Graph] = {}
+_graphs: dict[tuple[int, int], _Graph] = {}  # (owner thread, device index) -> the graph recording there
 _avals: dict[tuple, tuple[list[Any], Any]] = {}  # (fn key, arg signature) -> (output avals, treedef)
 # (fn key, arg specs, arg signature) -> (node id, outputs' (shape, dtype, weak_type), treedef or None for a
 # single array): a graph's key is its node ids, so a flush hashes a tuple of ints, not every op's structure.
@@ -199,10 +241,50 @@ _FUSED_CAP = _env_count("TORCH_TPU_FUSE_CACHE", 512)
 
 
 def _graph(index: int) -> _Graph:
-    g = _graphs.get(index)
+    """The graph this thread records into on tpu:`index` (under _lock)."""
+    key = (_C._graph_owner(), index)
+    g = _graphs.get(key)
     if g is None:
-        g = _graphs[index] = _Graph(index)
+        if _ended:
+            _drop_ended()
+        g = _graphs[key] = _Graph(*key)
+        if getattr(_thread_end, "owner", None) is None and key[0] == _C._thread_id():
+            _thread_end.owner = _ThreadEnd(key[0])
     return g
+
+
+class _ThreadEnd:
+    """Lives in a recording thread's thread-local state: when the thread ends, its graphs leave `_graphs` (at the
+    next new graph or flush_thread, under _lock). Placeholders still alive keep their graph (and can run it); a
+    graph nobody can read is freed with its inputs."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: int) -> None:
+        self.owner = owner
+
+    def __del__(self) -> None:
+        _ended.append(self.owner)  # atomic; _graphs itself is only changed under _lock
+
+
+_thread_end = threading.local()
+_ended: list[int] = []  # threads that ended since the last _drop_ended
+
+
+def _drop_ended() -> None:
+    while _ended:
+        owner = _ended.pop()
+        for key in [k for k in _graphs if k[0] == owner]:
+            del _graphs[key]
+
+
+class _Transfer(Exception):
+    """Raised inside _lock by a recording call that needs a value pending in another graph: record computes it
+    outside the lock (running a graph waits for its run_lock, which its runner may hold while it waits for _lock)
+    and retries."""
+
+    def __init__(self, pending: "Pending") -> None:
+        self.pending = pending
 
 
 def _input(g: _Graph, a: Any) -> tuple[tuple, Any]:
@@ -221,7 +303,7 @@ def _arg(g: _Graph, a: Any) -> tuple[Any, Any]:
         if a.value is not None:
             return _input(g, a.value)
         if a.graph is not g:
-            return _input(g, a.concrete("transfer"))  # another device's graph: materialise it
+            raise _Transfer(a)  # another thread's or device's graph: materialise it (outside _lock)
         return ("n", a.node, a.out), (a.shape, a.dtype, a.weak_type)
     if a is None:
         return None, None
@@ -252,50 +334,61 @@ def _abstract(spec: Any, sig: Any, inputs: list[Any]) -> Any:
 
 
 def record(index: int, fkey: Any, fn: Callable[..., Any], args: tuple | list) -> Any:
-    """Appends `fn(*args)` to tpu:`index`'s pending graph; returns placeholders shaped like its result."""
-    with _lock:
-        g = _graph(index)
-        n_inputs = len(g.inputs)
+    """Appends `fn(*args)` to the pending graph this thread records into on tpu:`index`; returns placeholders
+    shaped like its result."""
+    while True:
         try:
-            specs_l = []
-            sig_l = []
-            for a in args:
-                t = type(a)
-                if t is Pending and a.value is None and a.graph is g:  # the common case: an earlier result
-                    specs_l.append(("n", a.node, a.out))
-                    sig_l.append((a.shape, a.dtype, a.weak_type))
-                else:
-                    sp, sg = _arg(g, a)
-                    specs_l.append(sp)
-                    sig_l.append(sg)
-            specs = tuple(specs_l)
-            sig = tuple(sig_l)
-            nkey = (fkey, specs, sig)
-            info = _nodes.get(nkey)
-            if info is None:
-                info = _nodes[nkey] = _node_info(fkey, fn, specs, sig, g.inputs)
-                _node_text[info[0]] = info[3]
-        except BaseException:
-            _truncate_inputs(g, n_inputs)
-            raise
-        node_id, metas, treedef, _ = info
-        node = len(g.nodes)
-        g.nodes.append((fn, specs, treedef))
-        g.keys.append(node_id)
-        pendings = g.pendings
-        if treedef is None:
-            result = Pending(g, node, 0, metas[0])
-            pendings.append(weakref.ref(result))
-        else:
-            outs = []
-            for j, meta in enumerate(metas):
-                p = Pending(g, node, j, meta)
-                pendings.append(weakref.ref(p))
-                outs.append(p)
-            result = jax.tree_util.tree_unflatten(treedef, outs)
-        if node + 1 >= _MAX_OPS:
-            flush(g, "size_limit")
+            with _lock:
+                result, full = _record(index, fkey, fn, args)
+        except _Transfer as t:
+            t.pending.concrete("transfer")
+            continue
+        if full is not None:
+            flush(full, "size_limit")
         return result
+
+
+def _record(index: int, fkey: Any, fn: Callable[..., Any], args: tuple | list) -> tuple[Any, _Graph | None]:
+    g = _graph(index)
+    n_inputs = len(g.inputs)
+    try:
+        specs_l = []
+        sig_l = []
+        for a in args:
+            t = type(a)
+            if t is Pending and a.value is None and a.graph is g:  # the common case: an earlier result
+                specs_l.append(("n", a.node, a.out))
+                sig_l.append((a.shape, a.dtype, a.weak_type))
+            else:
+                sp, sg = _arg(g, a)
+                specs_l.append(sp)
+                sig_l.append(sg)
+        specs = tuple(specs_l)
+        sig = tuple(sig_l)
+        nkey = (fkey, specs, sig)
+        info = _nodes.get(nkey)
+        if info is None:
+            info = _nodes[nkey] = _node_info(fkey, fn, specs, sig, g.inputs)
+            _node_text[info[0]] = info[3]
+    except BaseException:
+        _truncate_inputs(g, n_inputs)
+        raise
+    node_id, metas, treedef, _ = info
+    node = len(g.nodes)
+    g.nodes.append((fn, specs, treedef))
+    g.keys.append(node_id)
+    pendings = g.pendings
+    if treedef is None:
+        result = Pending(g, node, 0, metas[0])
+        pendings.append(weakref.ref(result))
+    else:
+        outs = []
+        for j, meta in enumerate(metas):
+            p = Pending(g, node, j, meta)
+            pendings.append(weakref.ref(p))
+            outs.append(p)
+        result = jax.tree_util.tree_unflatten(treedef, outs)
+    return result, (g if node + 1 >= _MAX_OPS else None)
 
 
 def _stable_text(key: Any) -> str | None:
@@ -364,30 +457,43 @@ def _replay(nodes: list[tuple[Callable[..., Any], tuple, Any]], outs: tuple[tupl
 
 
 def flush(g: _Graph | None, reason: str) -> None:
-    """Runs tpu:`g.index`'s pending graph as one program; every placeholder still alive gets its value."""
+    """Runs pending graph `g` as one program; every placeholder still alive gets its value. Any thread may call
+    it: one runs the graph, the others wait for it. A KeyboardInterrupt or SystemExit (any BaseException that is
+    not an Exception) while it traces, compiles or runs propagates as itself and leaves the graph pending, so a
+    later read runs it again."""
     if g is None:
         return
-    with _lock:
-        if _graphs.get(g.index) is not g or not g.nodes:
-            return
-        del _graphs[g.index]  # recording from here on starts a new graph
-        alive = [p for r in g.pendings if (p := r()) is not None and p.value is None]
+    with g.run_lock:
+        with _lock:
+            if g.done or not g.nodes:
+                return
+            key = (g.owner, g.index)
+            if _graphs.get(key) is g:
+                del _graphs[key]  # recording from here on starts a new graph
+            alive = [p for r in g.pendings if (p := r()) is not None and p.value is None]
         _metrics.flush(reason, len(g.nodes), len(alive))
         if not alive:
+            g.done = True
             return  # nothing can read any result: nothing to run
         outs = tuple((p.node, p.out) for p in alive)
         donate = _donatable(g.inputs, alive)
         key = (tuple(g.keys), outs, donate, _checks.enabled)
-        fn = _fused.get(key)
+        results = checks = None
         try:
+            with _lock:
+                fn = _fused.get(key)
+                if fn is not None:
+                    _fused.move_to_end(key)
             if fn is None:
-                fn = _fused[key] = _fused_program(g, outs, donate)
-                if len(_fused) > _FUSED_CAP:
-                    _fused.popitem(last=False)
-            else:
-                _fused.move_to_end(key)
-            results, checks = fn(*g.inputs)
-        except BaseException as e:
+                fn = _fused_program(g, outs, donate)
+                with _lock:
+                    _fused[key] = fn
+                    if len(_fused) > _FUSED_CAP:
+                        _fused.popitem(last=False)
+            out = fn(*g.inputs)
+            results, checks = out
+        except Exception as e:
+            g.done = True
             for p in alive:
                 p.error = e
             names = sorted({_op_name(fn) for fn, _, _ in g.nodes})[:12]
@@ -396,10 +502,25 @@ def flush(g: _Graph | None, reason: str) -> None:
                 f"(ops include {', '.join(names)}): {type(e).__name__}: {e}. Rerun with "
                 "TORCH_TPU_EAGER_MODE=DEFER_NEVER_AND_LAUNCH_BLOCKING to find the op."
             ) from e
-        for p, r in zip(alive, results):
-            p.value = r
-            p.graph = None
+        except BaseException as e:  # KeyboardInterrupt, SystemExit: re-raised as themselves
+            if results is not None:
+                _resolve(g, alive, results)
+                _checks.register(checks, quiet=True)  # raised at the next synchronization point, not over `e`
+            elif any(g.inputs[i].is_deleted() for i in donate):  # the program ran: its inputs are gone
+                g.done = True
+                lost = RuntimeError(f"the run was interrupted ({type(e).__name__}) after it consumed its inputs")
+                for p in alive:
+                    p.error = lost
+            raise
+        _resolve(g, alive, results)
     _checks.register(checks)
+
+
+def _resolve(g: _Graph, alive: list[Pending], results: list[Any]) -> None:
+    # In C calls only (map and setattr check no signals): a KeyboardInterrupt cannot land half way.
+    g.done = True
+    collections.deque(map(setattr, alive, itertools.repeat("value"), results), maxlen=0)
+    collections.deque(map(setattr, alive, itertools.repeat("graph"), itertools.repeat(None, len(alive))), maxlen=0)
 
 
 _ARRAY_TYPE: list[type] = []
@@ -487,10 +608,17 @@ def _op_name(fn: Any) -> str:
     return getattr(fn, "_torch_tpu_op", None) or getattr(fn, "__qualname__", "op")
 
 
-def flush_all(reason: str) -> None:
+def flush_thread(reason: str) -> None:
+    """Runs the pending graphs the calling thread records into (its own, or in a backward pass its caller's).
+    Other threads' graphs are theirs to run, like ops they have not issued yet: running them from here would
+    cut their graphs at arbitrary points, so each flush would have a new structure to compile."""
+    owner = _C._graph_owner()
     with _lock:
-        for g in list(_graphs.values()):
-            flush(g, reason)
+        if _ended:
+            _drop_ended()
+        graphs = [g for (o, _), g in _graphs.items() if o == owner]
+    for g in graphs:
+        flush(g, reason)
 
 
 # ---- jitted helpers that defer ----
@@ -517,7 +645,7 @@ class Jitted:
     def __call__(self, *args: Any) -> Any:
         if _runtime.in_bad_fork:  # kernels that compute before touching a storage (fill_, random_) come here
             raise _runtime.fork_error()
-        if fusing and not getattr(_tls, "suspended", 0):
+        if recording():
             return record(self._index(args), self.key, self.fn, args)
         if self._jitted is None:
             self._make()
@@ -559,15 +687,16 @@ def boundary(fn: Callable[..., Any], reason: str) -> Callable[..., Any]:
     eagerly; under DEFER_NEVER_AND_LAUNCH_BLOCKING it waits for the device afterwards."""
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
+        mode = current_mode()
         if not mode:
             return fn(*args, **kwargs)
         if mode == EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
             out = fn(*args, **kwargs)
             block(out)
             return out
-        if getattr(_tls, "suspended", 0):
+        if not recording():  # suspended already
             return fn(*args, **kwargs)
-        flush_all(reason)
+        flush_thread(reason)  # values pending elsewhere are computed when read (runtime/TpuPython.cpp)
         with suspended():
             return fn(*args, **kwargs)
 
@@ -596,7 +725,7 @@ def blocking_after(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         out = fn(*args, **kwargs)
-        if mode == EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
+        if current_mode() == EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
             block(out)
         return out
 

@@ -109,7 +109,12 @@ def collect() -> None:
     from torch_tpu import _deferred
 
     for a in jax.live_arrays():
-        a.block_until_ready()
+        if not a.is_deleted():  # another thread's program may have consumed (donated) it meanwhile
+            try:
+                a.block_until_ready()
+            except RuntimeError:
+                if not a.is_deleted():
+                    raise
     with _deferred._lock:
         _deferred._fused.clear()  # compiled fused graphs hold their executables directly
         jax.clear_caches()

@@ -285,9 +285,14 @@ def synchronize(index: int | None = None) -> None:
     from torch_tpu import _checks, _deferred, _metrics
 
     _metrics.tick()
-    _deferred.flush_all("synchronize")
+    _deferred.flush_thread("synchronize")  # this thread's pending graphs; the device work of every thread
     want = None if index is None or index < 0 else _devices[index]
     for a in jax.live_arrays():
-        if want is None or want in a.devices():
-            a.block_until_ready()
+        try:
+            if want is None or want in a.devices():
+                a.block_until_ready()
+        except RuntimeError:
+            # Another thread's program consumed (donated) it meanwhile: its work is that program's outputs.
+            if not a.is_deleted():
+                raise
     _checks.raise_pending()  # an out-of-range index of an earlier op raises here (torch_tpu/_checks.py)

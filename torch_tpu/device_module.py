@@ -19,7 +19,8 @@ __all__ = [
     "initial_seed", "get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all",
     "default_generators", "get_amp_supported_dtype", "is_bf16_supported", "set_cpu_fallback",
     "fallback_report", "platform", "memory_allocated", "live_storages", "EagerMode", "eager_mode",
-    "set_eager_mode", "metrics", "reset_metrics", "compile_cache", "RecompilationWarning",
+    "set_eager_mode", "set_default_eager_mode", "default_eager_mode", "metrics", "reset_metrics",
+    "compile_cache", "RecompilationWarning",
 ]
 
 DeviceLike = int | str | torch.device | None
@@ -285,18 +286,30 @@ def memory_allocated(d: DeviceLike = None) -> int:
 # ---- execution modes and metrics ----
 
 def _get_eager_mode() -> EagerMode:
-    return EagerMode(_deferred.mode)
+    return EagerMode(_deferred.current_mode())
 
 
 @contextlib.contextmanager
 def set_eager_mode(mode: EagerMode | str) -> Iterator[None]:
-    """Runs the block in `mode` (an EagerMode or its name), then restores the previous mode. Pending
-    DEFER_AND_FUSE work is flushed when the mode changes."""
-    old = _deferred.set_mode(mode)
+    """Runs the block in `mode` (an EagerMode or its name) on the calling thread only, then restores the
+    thread's previous mode. The thread's pending DEFER_AND_FUSE work runs when it leaves DEFER_AND_FUSE."""
+    own = _deferred.set_thread_mode(mode)
     try:
         yield
     finally:
-        _deferred.set_mode(old)
+        _deferred.restore_thread_mode(own)
+
+
+def set_default_eager_mode(mode: EagerMode | str) -> EagerMode:
+    """Sets the process default mode, which threads without a mode of their own run in (new threads, and the
+    main thread unless a set_eager_mode block is active); returns the previous default. TORCH_TPU_EAGER_MODE
+    sets it at start-up."""
+    return _deferred.set_default_mode(mode)
+
+
+def default_eager_mode() -> EagerMode:
+    """The process default mode (see set_default_eager_mode)."""
+    return EagerMode(_C._default_mode())
 
 
 def metrics() -> _metrics.Metrics:
@@ -313,7 +326,10 @@ def reset_metrics() -> None:
 class _DeviceModule(type(contextlib)):  # the module type, with `eager_mode` as a settable property
     @property
     def eager_mode(self) -> EagerMode:
-        """The process-wide execution mode: `torch.tpu.eager_mode = torch.tpu.EagerMode.DEFER_AND_FUSE`."""
+        """The calling thread's execution mode: `torch.tpu.eager_mode = torch.tpu.EagerMode.DEFER_AND_FUSE`.
+        Assigned in the main thread it sets the process default (what every thread without a mode of its own
+        runs in); assigned in another thread, that thread's own mode. Backward runs in the mode of the thread
+        that called it."""
         return _get_eager_mode()
 
     @eager_mode.setter
