@@ -299,3 +299,35 @@ def test_two_models_train_concurrently_in_the_process_default() -> None:
 
 def test_two_compiled_models_train_concurrently_like_cpu() -> None:
     _run(_TRAIN.format(mode=None, compile=True), timeout=580)
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_first_compile_from_many_threads_at_once(attempt: int) -> None:
+    # Dynamo's entry-point lookup of backend "tpu" races (two threads register it: "duplicate name: tpu");
+    # torch_tpu registers the backend when Dynamo's registry is imported, before any thread can look it up.
+    out = _run("""
+        import sys, threading, torch
+        assert "torch._dynamo" not in sys.modules  # import torch stays free of Dynamo
+        n = 8
+        start = threading.Barrier(n)
+        errors, results = [], []
+        def work():
+            start.wait()
+            try:
+                f = torch.compile(lambda a: a * 2 + 1, backend="tpu")
+                results.append(f(torch.arange(4.0, device="tpu")).cpu())
+            except BaseException as e:
+                errors.append(repr(e))
+        threads = [threading.Thread(target=work, daemon=True) for _ in range(n)]
+        for t in threads: t.start()
+        for t in threads: t.join(200)
+        assert not any(t.is_alive() for t in threads), "a compile is still running"
+        assert not errors, errors
+        assert len(results) == n
+        for r in results:
+            torch.testing.assert_close(r, torch.arange(4.0) * 2 + 1)
+        import torch._dynamo
+        assert "tpu" in torch._dynamo.list_backends()
+        print("ok")
+    """, timeout=300)
+    assert out.strip().endswith("ok")

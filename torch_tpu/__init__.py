@@ -57,6 +57,10 @@ def _setup() -> None:
     from torch_tpu import _dynamo_skip
 
     _dynamo_skip.skip_kernels()
+    # backend="tpu" registered when Dynamo's registry is imported (its entry-point lookup races between threads).
+    from torch_tpu import _dynamo_backend
+
+    _dynamo_backend.install()
     # TPUs compute in bfloat16 natively: torch.autocast("tpu") defaults to it (runtime/TpuAutocast.cpp has the
     # per-op policy).
     torch.set_autocast_dtype("tpu", torch.bfloat16)
