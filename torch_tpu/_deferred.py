@@ -558,7 +558,7 @@ def _fused_program(g: _Graph, outs: tuple, donate: tuple[int, ...]) -> Callable[
     """The compiled program of graph `g`: loaded from the persistent cache when every op's key is stable and an
     earlier process compiled the same graph (no tracing, lowering or compiling), else traced and compiled
     (and then stored)."""
-    from torch_tpu import _runtime, compile_cache
+    from torch_tpu import compile_cache
 
     texts = [_node_text.get(k) for k in g.keys]
     text = None
@@ -654,8 +654,6 @@ class Jitted:
     def _make(self) -> None:
         kwargs = dict(self._jit_kwargs)
         if self.index is not None:
-            from torch_tpu import _runtime
-
             kwargs.setdefault("out_shardings", jax.sharding.SingleDeviceSharding(_runtime.device(self.index)))
         self._jitted = _checks.jit(self.fn, **kwargs)  # index checks its trace reports are registered
 
@@ -668,11 +666,7 @@ class Jitted:
                     return a.graph.index
                 a = a.value
             if hasattr(a, "devices") and not isinstance(a, type):
-                from torch_tpu import _runtime
-
                 return _runtime.index_of(a)
-        from torch_tpu import _C
-
         return _C._current_device()
 
 
@@ -709,8 +703,6 @@ def boundary(fn: Callable[..., Any], reason: str) -> Callable[..., Any]:
 def block(out: Any) -> None:
     """DEFER_NEVER_AND_LAUNCH_BLOCKING after a direct kernel: wait for all queued device work (a direct kernel's
     results are tensors, not arrays, so this does not look at `out`)."""
-    from torch_tpu import _runtime
-
     _runtime.synchronize()
 
 
