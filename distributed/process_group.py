@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torch_tpu import _deferred, _runtime, _storage
+from torch_tpu import _executor, _runtime, _storage
 from torch_tpu._jax import jnp
 from torch_tpu.distributed import _programs, _world
 
@@ -277,7 +277,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def _read(self, what: str, tensors: Sequence[torch.Tensor]) -> list[Any]:
         for t in tensors:
             self._check_tensor(what, t)
-        return [_deferred.concrete(_storage.read(t), "collective") for t in tensors]
+        return [_executor.concrete(_storage.read(t), "collective") for t in tensors]
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
         import jax
@@ -326,13 +326,12 @@ class ProcessGroupTPU(dist.ProcessGroup):
         index = self._device_index()
         # A collective is its own XLA program over the group's devices: DEFER_AND_FUSE's pending work on this
         # device runs first, and the group's thread reads and writes tensors eagerly.
-        if _deferred.recording():
-            _deferred.flush_thread("collective")
+        _executor.flush("collective")
 
         def run() -> list[torch.Tensor]:
             torch.tpu.set_device(index)
             try:
-                with _deferred.suspended():
+                with _executor.eagerly():
                     return fn()
             except Exception as e:  # XLA reports transport failures as RuntimeError or ValueError
                 raise self._wrap_error(what, e) from e
@@ -648,7 +647,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
         def unpack() -> list[torch.Tensor]:
             work.wait()
-            value = _deferred.concrete(_storage.read(flat_out), "collective")
+            value = _executor.concrete(_storage.read(flat_out), "collective")
             start = 0
             for t in outs:
                 self._write(t, value[start:start + t.numel()].reshape(tuple(t.shape)))

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from torch_tpu import _deferred, _runtime, _storage
+from torch_tpu import _executor, _runtime, _storage
 from torch_tpu._jax import jax, jnp
 from torch_tpu.kernels.registry import direct
 
@@ -21,11 +21,11 @@ def _convert(shape: tuple[int, ...], dtype: Any) -> Any:
             v = jnp.real(v)  # torch discards the imaginary part (with a warning on CPU)
         return jnp.broadcast_to(v.astype(dtype), shape)
 
-    return _deferred.jitted(convert, key=(shape, dtype))
+    return _executor.jitted(convert, key=(shape, dtype))
 
 
-_conj = _deferred.jitted(lambda v: jnp.conj(v), key="conj")
-_neg = _deferred.jitted(lambda v: -v, key="neg")
+_conj = _executor.jitted(lambda v: jnp.conj(v), key="conj")
+_neg = _executor.jitted(lambda v: -v, key="neg")
 
 
 def _read_resolved(src: torch.Tensor, dst: torch.Tensor) -> Any:
@@ -43,7 +43,7 @@ def _value_for(dst: torch.Tensor, src: torch.Tensor) -> Any:
     if src.device.type == "tpu":
         val = _read_resolved(src, dst)
         if src.device.index != index:
-            val = jax.device_put(_deferred.concrete(val, "transfer"), _runtime.device(index))
+            val = jax.device_put(_executor.concrete(val, "transfer"), _runtime.device(index))
     else:
         val = _runtime.upload(src, index)
     dtype = _runtime.jax_dtype(dst.dtype)
@@ -66,7 +66,7 @@ def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> 
         _storage.write(self, _value_for(self, src))
     elif src.device.type == "tpu":
         # To the host (or another backend): fetch, then let that device's copy_ cast and broadcast.
-        self.copy_(_runtime.download(_deferred.concrete(_read_resolved(src, self), "to_cpu")))
+        self.copy_(_runtime.download(_executor.concrete(_read_resolved(src, self), "to_cpu")))
     else:
         raise RuntimeError(f"torch_tpu: copy_ from {src.device} to {self.device} reached the tpu backend")
     return self

@@ -9,11 +9,12 @@ from typing import Any
 
 import torch
 
-from torch_tpu import _C, _deferred, _runtime, _storage
+from torch_tpu import _C, _executor, _runtime, _storage
 from torch_tpu._jax import jax, jnp
 from torch._prims_common.wrappers import _maybe_resize_out
 
-from torch_tpu.kernels.registry import direct, wrap_arrays
+from torch_tpu.kernels._promote import wrap_arrays
+from torch_tpu.kernels.registry import direct
 
 
 def _on(index: int) -> Any:
@@ -22,7 +23,7 @@ def _on(index: int) -> Any:
 
 @functools.lru_cache(maxsize=1024)
 def _full(shape: tuple[int, ...], dtype: Any, index: int) -> Any:
-    return _deferred.jitted(lambda value: jnp.full(shape, value, dtype), index, key=(shape, dtype, index))
+    return _executor.jitted(lambda value: jnp.full(shape, value, dtype), index, key=(shape, dtype, index))
 
 
 def _fill_value(value: Any) -> Any:
@@ -144,7 +145,7 @@ def _sampler(fn: Any, shape: tuple[int, ...], dtype: Any, index: int) -> Any:
     def sample(seed: Any, offset: Any, *params: Any) -> Any:
         return fn(_key(seed, offset), shape, dtype, *params).astype(dtype)
 
-    return _deferred.jitted(sample, index, key=(fn.__qualname__, shape, dtype, index))
+    return _executor.jitted(sample, index, key=(fn.__qualname__, shape, dtype, index))
 
 
 def _philox(generator: torch.Generator | None, t: torch.Tensor) -> tuple[Any, Any]:

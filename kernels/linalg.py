@@ -7,7 +7,8 @@ from typing import Any
 
 from torch_tpu import _runtime
 from torch_tpu._jax import jax, jnp, lax
-from torch_tpu.kernels.registry import DEFAULT, dtype_name, lower
+from torch_tpu.kernels._promote import dtype_name
+from torch_tpu.kernels.registry import DEFAULT, lower
 
 
 

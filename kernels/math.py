@@ -16,11 +16,11 @@ from torch._prims_common.wrappers import _maybe_resize_out
 
 from torch_tpu import _runtime
 from torch_tpu._jax import jax, jnp, lax
+from torch_tpu.kernels._promote import dtype_name
 from torch_tpu.kernels.registry import (
     DEFAULT,
     INT_TO_FLOAT,
     NO_OPMATH,
-    dtype_name,
     direct,
     lower,
 )

@@ -19,11 +19,12 @@ import numpy as np
 import torch
 
 
-from torch_tpu import _C, _deferred, _runtime, _storage
+from torch_tpu import _C, _executor, _runtime, _storage
 from torch_tpu._checks import report_bad_index
 from torch_tpu._jax import jax, jnp, lax
 from torch_tpu.kernels.creation import _key, _philox
-from torch_tpu.kernels.registry import DEFAULT, direct, lower, wrap_arrays, write_outs
+from torch_tpu.kernels._promote import wrap_arrays, write_outs
+from torch_tpu.kernels.registry import DEFAULT, direct, lower
 
 # ---- helpers ----
 
@@ -525,7 +526,7 @@ def _batch_norm_math(
 
 @functools.lru_cache(maxsize=256)
 def _batch_norm_fn(training: bool, momentum: float, eps: float) -> Any:
-    return _deferred.jitted(lambda x, w, b, rm, rv: _batch_norm_math(x, w, b, rm, rv, training, momentum, eps),
+    return _executor.jitted(lambda x, w, b, rm, rv: _batch_norm_math(x, w, b, rm, rv, training, momentum, eps),
                             key=(training, momentum, eps))
 
 
@@ -1411,12 +1412,12 @@ def _dropout_fn(p: float) -> Any:
         scale = 0.0 if p == 1 else 1.0 / (1 - p)
         return (_opmath(x) * keep * scale).astype(x.dtype), keep
 
-    return _deferred.jitted(run, key=p)
+    return _executor.jitted(run, key=p)
 
 
 @functools.lru_cache(maxsize=16)
 def _dropout_eval_fn() -> Any:
-    return _deferred.jitted(lambda x: (x, jnp.ones(x.shape, jnp.bool_)), key="eval")
+    return _executor.jitted(lambda x: (x, jnp.ones(x.shape, jnp.bool_)), key="eval")
 
 
 @direct("native_dropout", defer=True)

@@ -9,7 +9,8 @@ import torch
 
 from torch_tpu import _runtime
 from torch_tpu._jax import jax, jnp, lax
-from torch_tpu.kernels.registry import direct, dtype_name, lower, result_dtype
+from torch_tpu.kernels._promote import dtype_name, result_dtype
+from torch_tpu.kernels.registry import direct, lower
 
 # ---- shared helpers ----
 

@@ -19,9 +19,10 @@ from typing import Any, Sequence
 import torch
 
 from torch_tpu import _runtime
+from torch_tpu._executor import next_trace_key
 from torch_tpu._checks import report_bad_index
 from torch_tpu._jax import jax, jnp, lax
-from torch_tpu.kernels.registry import lower, next_trace_key
+from torch_tpu.kernels.registry import lower
 
 _T = dict(trace_only=True, variants=False)
 
@@ -320,7 +321,7 @@ def embedding(weight: Any, indices: Any, padding_idx: int = -1, scale_grad_by_fr
 
 
 # ---- random values inside traced programs (eagerly: the random fills in creation.py) ----
-# The executor supplies a fresh key per program call from the tpu generator (registry.trace_random).
+# The executor supplies a fresh key per program call from the tpu generator (_executor.trace_random).
 
 def _float(dtype: torch.dtype | None, like: Any = None) -> Any:
     jd = _dtype(dtype, like=like, value=0.0)

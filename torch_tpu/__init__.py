@@ -27,7 +27,7 @@ _FALLBACK_MODES = {"": 0, "0": 0, "strict": 0, "off": 0, "warn": 1, "1": 1}
 
 
 def _setup() -> None:
-    from torch_tpu import _config, _deferred, _metrics, _runtime, _storage, compile_cache, device_module, kernels
+    from torch_tpu import _config, _deferred, _eager, _metrics, _runtime, _storage, compile_cache, device_module
 
     torch.utils.rename_privateuse1_backend("tpu")
     torch._register_device_module("tpu", device_module)
@@ -35,7 +35,7 @@ def _setup() -> None:
         for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True
     )
     _C._set_callbacks(_runtime.start, _storage.resize_array, _runtime.synchronize)
-    kernels.install()
+    _eager.install()  # the table's lowerings (torch_tpu.kernels) as PrivateUse1 kernels
     _C._set_pending_type(_deferred.Pending)  # DEFER_AND_FUSE placeholders, resolved by the C++ accessors
     # A bad TORCH_TPU_* value must not break `import torch`: it is raised at the first tpu use (_config).
     try:

@@ -199,10 +199,13 @@ def register(flags: dict[str, Any] | None, quiet: bool = False) -> None:
         _raise_first(oldest, at_op=False)
 
 
-def _launch_blocking() -> bool:
-    from torch_tpu import _deferred
+_LAUNCH_BLOCKING = 1  # EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING (torch_tpu/_deferred.py; an executor, not imported here)
 
-    return _deferred.current_mode() == _deferred.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+
+def _launch_blocking() -> bool:
+    from torch_tpu import _C
+
+    return _C._mode() == _LAUNCH_BLOCKING
 
 
 def raise_pending(at_op: bool = False) -> None:

@@ -3,7 +3,7 @@
 Dynamo captures the Python code; AOTAutograd (with `decompositions()`) turns each captured graph into functional
 aten graphs, one for the forward and one for the backward (or one inference graph). Each aten graph is lowered here
 into a single `jax.jit` program: an FX interpreter calls the kernel registry's lowering of every node on JAX
-tracers (`registry.trace_call`, the same table the eager kernels use; views and composites are trace-only
+tracers (`_trace.trace_call`, the same table the eager kernels use; views and composites are trace-only
 lowerings in kernels/views.py). Jitted programs go through JAX's compilation cache, so the persistent compile
 cache applies to them.
 
@@ -43,9 +43,10 @@ import torch.fx
 from torch._dynamo.device_interface import DeviceInterface, register_interface_for_device
 from torch._dynamo.utils import counters
 
-from torch_tpu import _C, _checks, _deferred, _runtime, _storage, device_module
+from torch_tpu import _C, _checks, _executor, _runtime, _storage, _trace, device_module
 from torch_tpu._jax import jax
 from torch_tpu.kernels import registry
+from torch_tpu.kernels._promote import wrap_arrays
 
 aten = torch.ops.aten
 
@@ -60,8 +61,8 @@ def _read_inputs(ts: Sequence[torch.Tensor]) -> list[Any]:
     compiled program is its own XLA program: values still pending are computed first."""
     read = _storage.read
     arrays = [read(t) for t in ts]
-    if _deferred.recording():
-        arrays = [_deferred.concrete(a, "compiled_graph") for a in arrays]
+    if _executor.recording():
+        arrays = [_executor.concrete(a, "compiled_graph") for a in arrays]
     return arrays
 
 
@@ -69,7 +70,7 @@ def _read_input(t: torch.Tensor, index: int) -> Any:
     """The device array of a graph input; a CPU tensor (e.g. a step count) becomes a private numpy copy that the
     jitted call moves to the device (cheaper than a device_put of its own)."""
     if t.device.type == "tpu":
-        return _deferred.concrete(_storage.read(t), "compiled_graph")
+        return _executor.concrete(_storage.read(t), "compiled_graph")
     try:
         return np.array(t.detach().numpy(), copy=True)
     except (TypeError, RuntimeError):  # dtypes numpy lacks (bfloat16...), conjugate or negative views
@@ -87,7 +88,7 @@ def _write_mutation(t: torch.Tensor, value: Any) -> None:
 
 def _wrap_output(value: Any, index: int) -> torch.Tensor:
     """A new tpu tensor owning the program's output array."""
-    return registry.wrap_arrays(value, index)
+    return wrap_arrays(value, index)
 
 
 def _cpu_output(value: Any) -> torch.Tensor:
@@ -247,7 +248,7 @@ def decompositions() -> dict[Any, Callable[..., Any]]:
         aten._batch_norm_with_update, aten._batch_norm_with_update_functional, aten.native_dropout,
     ]))
     for op in list(table):
-        if isinstance(op, torch._ops.OpOverload) and registry.overload_name(op) in registry.LOWERINGS:
+        if isinstance(op, torch._ops.OpOverload) and _trace.overload_name(op) in registry.LOWERINGS:
             del table[op]
     return table
 
@@ -281,8 +282,8 @@ def _check_lowerings(gm: torch.fx.GraphModule, name: str) -> list[str]:
         if _is_mutation(node):
             continue
         if isinstance(target, torch._ops.OpOverload):
-            op = registry.overload_name(target)
-            if target.namespace != "aten" or not registry.traceable(op):
+            op = _trace.overload_name(target)
+            if target.namespace != "aten" or not _trace.traceable(op):
                 problems.append(f"{target.namespace}::{op} (node {node.name}; inputs {_describe(node)})")
             elif target in (aten.as_strided.default, aten.as_strided_copy.default):
                 src = node.args[0].meta.get("val")
@@ -495,7 +496,7 @@ class _GraphProgram:
                 key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed),
                                                             (offset & 0xFFFFFFFF).astype("uint32")),
                                          (offset >> 32).astype("uint32"))
-                with registry.trace_random(key):
+                with _trace.trace_random(key):
                     outs, muts = self._interpret(statics, arrays[:-2])
         return outs, muts, dict(checks)
 
@@ -539,12 +540,12 @@ class _GraphProgram:
         if not isinstance(target, torch._ops.OpOverload):
             return target(*args, **kwargs)  # operator.getitem, SymInt arithmetic
         if node in self.device_mutations:
-            new = registry.trace_call("copy", [args[0], args[1]], {})
+            new = _trace.trace_call("copy", [args[0], args[1]], {})
             mutations.append(new)
             return new
-        op = registry.overload_name(target)
+        op = _trace.overload_name(target)
         try:
-            return registry.trace_call(op, args, kwargs)
+            return _trace.trace_call(op, args, kwargs)
         except Exception as e:
             msg = (f"torch.compile(backend='tpu'): lowering aten::{op} failed in {self.name} at node {node.name} "
                    f"(inputs {_describe(node)}): {type(e).__name__}: {e}")

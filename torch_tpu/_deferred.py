@@ -1,8 +1,8 @@
 """Execution modes, and the pending graph of DEFER_AND_FUSE.
 
-Every kernel computes its result with jitted JAX functions: the registry's per-op callables
-(kernels/registry.py), the storage readers and writers (_storage.py) and the helpers kernels build with
-`jitted()`. In the eager modes they run at once. Under DEFER_AND_FUSE, `record()` appends the call to the
+Every kernel computes its result with jitted JAX functions: the eager executor's per-op callables
+(torch_tpu/_eager.py), the storage readers and writers (_storage.py) and the helpers kernels build with
+`_executor.jitted()`. In the eager modes they run at once. Under DEFER_AND_FUSE, `record()` appends the call to the
 calling thread's pending graph of its device instead and returns `Pending` placeholders carrying the result's
 shape and dtype (from a cached `jax.eval_shape`); storages hold these placeholders like arrays. `flush()` runs the whole
 graph as one cached `jax.jit` program whose outputs are only the placeholders still alive (a storage or a
@@ -60,7 +60,6 @@ from torch_tpu import _C  # noqa: E402
 current_mode = _C._mode
 recording = _C._recording
 _lock = threading.RLock()  # graph bookkeeping only: never held while a program compiles or runs
-_ids = itertools.count(1)
 _LOCAL = "<process-local>"  # marks a structural key that is only meaningful in this process
 
 
@@ -619,108 +618,3 @@ def flush_thread(reason: str) -> None:
         graphs = [g for (o, _), g in _graphs.items() if o == owner]
     for g in graphs:
         flush(g, reason)
-
-
-# ---- jitted helpers that defer ----
-
-class Jitted:
-    """A jitted function that runs now in the eager modes and is recorded under DEFER_AND_FUSE.
-
-    `index` places results of calls without array arguments (creation ops); otherwise the device follows
-    the arguments."""
-
-    __slots__ = ("fn", "_jitted", "_jit_kwargs", "key", "index", "__weakref__")
-
-    def __init__(self, fn: Callable[..., Any], index: int | None = None, key: Any = None,
-                 **jit_kwargs: Any) -> None:
-        self.fn = fn
-        self.index = index
-        self._jitted = None  # made on the first eager call (creating it here would import JAX at import time)
-        self._jit_kwargs = jit_kwargs
-        # With `key` (what makes this function what it is, e.g. its factory's arguments) the structural key is
-        # the same in every process, so graphs using it can be cached on disk; without, it is process-local.
-        name = getattr(fn, "__qualname__", "jitted")
-        self.key = (name, key) if key is not None else (name, _LOCAL, next(_ids))
-
-    def __call__(self, *args: Any) -> Any:
-        if _runtime.in_bad_fork:  # kernels that compute before touching a storage (fill_, random_) come here
-            raise _runtime.fork_error()
-        if recording():
-            return record(self._index(args), self.key, self.fn, args)
-        if self._jitted is None:
-            self._make()
-        return self._jitted(*args)
-
-    def _make(self) -> None:
-        kwargs = dict(self._jit_kwargs)
-        if self.index is not None:
-            kwargs.setdefault("out_shardings", jax.sharding.SingleDeviceSharding(_runtime.device(self.index)))
-        self._jitted = _checks.jit(self.fn, **kwargs)  # index checks its trace reports are registered
-
-    def _index(self, args: tuple) -> int:
-        if self.index is not None:
-            return self.index
-        for a in args:
-            if type(a) is Pending:
-                if a.graph is not None:
-                    return a.graph.index
-                a = a.value
-            if hasattr(a, "devices") and not isinstance(a, type):
-                return _runtime.index_of(a)
-        return _C._current_device()
-
-
-def jitted(fn: Callable[..., Any], index: int | None = None, key: Any = None, **jit_kwargs: Any) -> Jitted:
-    return Jitted(fn, index, key, **jit_kwargs)
-
-
-# ---- kernels that need concrete arrays ----
-
-def boundary(fn: Callable[..., Any], reason: str) -> Callable[..., Any]:
-    """Wraps a kernel that reads concrete arrays: under DEFER_AND_FUSE it flushes pending work first and runs
-    eagerly; under DEFER_NEVER_AND_LAUNCH_BLOCKING it waits for the device afterwards."""
-
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        mode = current_mode()
-        if not mode:
-            return fn(*args, **kwargs)
-        if mode == EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
-            out = fn(*args, **kwargs)
-            block(out)
-            return out
-        if not recording():  # suspended already
-            return fn(*args, **kwargs)
-        flush_thread(reason)  # values pending elsewhere are computed when read (runtime/TpuPython.cpp)
-        with suspended():
-            return fn(*args, **kwargs)
-
-    kernel.__name__ = getattr(fn, "__name__", "kernel")
-    kernel.__qualname__ = getattr(fn, "__qualname__", kernel.__name__)
-    kernel.__wrapped__ = fn  # type: ignore[attr-defined]
-    return kernel
-
-
-def block(out: Any) -> None:
-    """DEFER_NEVER_AND_LAUNCH_BLOCKING after a direct kernel: wait for all queued device work (a direct kernel's
-    results are tensors, not arrays, so this does not look at `out`)."""
-    _runtime.synchronize()
-
-
-def block_arrays(out: Any) -> None:
-    for a in jax.tree_util.tree_leaves(out):
-        if hasattr(a, "block_until_ready"):
-            a.block_until_ready()
-
-
-def blocking_after(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Wraps a deferrable direct kernel: under DEFER_NEVER_AND_LAUNCH_BLOCKING it waits for the device after."""
-
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        out = fn(*args, **kwargs)
-        if current_mode() == EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
-            block(out)
-        return out
-
-    kernel.__name__ = getattr(fn, "__name__", "kernel")
-    kernel.__wrapped__ = fn  # type: ignore[attr-defined]
-    return kernel

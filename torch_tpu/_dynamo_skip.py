@@ -30,18 +30,16 @@ def skip_kernels() -> None:
         from torch._C._dynamo import eval_frame
     except ImportError:  # a torch without Dynamo
         return
-    from torch_tpu import _runtime, _storage
+    from torch_tpu import _eager, _executor, _runtime, _storage
     from torch_tpu.kernels import registry
 
     skip = eval_frame._FrameAction.SKIP
     strategy = eval_frame._FrameExecStrategy(skip, skip)
-    entries = [registry.OpKernel.functional, registry.OpKernel.inplace, registry.OpKernel.out,
+    entries = [_eager.OpKernel.functional, _eager.OpKernel.inplace, _eager.OpKernel.out,
                _runtime.start, _runtime.synchronize, _storage.resize_array, *registry.DIRECT.values()]
     try:  # kernels installed through DEFER_AND_FUSE's boundary wrapper: C++ calls the wrapper (one code object)
-        from torch_tpu import _deferred
-
-        entries.append(_deferred.boundary(lambda: None, "dynamo"))
-        entries.append(_deferred.blocking_after(lambda: None))
+        entries.append(_executor.boundary(lambda: None, "dynamo"))
+        entries.append(_executor.blocking_after(lambda: None))
     except (ImportError, AttributeError, TypeError):
         pass
     for code in _codes(entries):

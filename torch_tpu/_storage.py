@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from torch_tpu import _C, _deferred, _runtime
+from torch_tpu import _C, _executor, _runtime
 from torch_tpu._jax import jax, jnp, lax
 
 Geometry = tuple[tuple[int, ...], tuple[int, ...], int]  # sizes, strides, storage offset
@@ -102,7 +102,7 @@ def _reader(base_shape: tuple[int, ...], base_dtype: Any, dtype: Any, geom: Geom
     def read(base: Any) -> Any:
         return _read_flat(_flat_as(base, dtype), sizes, strides, offset)
 
-    return _deferred.jitted(read, key=(base_shape, base_dtype, dtype, geom))
+    return _executor.jitted(read, key=(base_shape, base_dtype, dtype, geom))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -122,13 +122,13 @@ def _writer(base_shape: tuple[int, ...], base_dtype: Any, dtype: Any, geom: Geom
             flat = _from_bytes(_to_bytes(flat), base_dtype)
         return flat.reshape(base_shape)
 
-    return _deferred.jitted(write, key=(base_shape, base_dtype, dtype, geom))
+    return _executor.jitted(write, key=(base_shape, base_dtype, dtype, geom))
 
 
 @functools.lru_cache(maxsize=4096)
 def _caster(shape: tuple[int, ...], dtype: Any) -> Any:
     """Cast to `dtype` and reshape to `shape` (a value written over a whole storage)."""
-    return _deferred.jitted(lambda v: v.astype(dtype).reshape(shape), key=(shape, dtype))
+    return _executor.jitted(lambda v: v.astype(dtype).reshape(shape), key=(shape, dtype))
 
 
 def _geometry(t: torch.Tensor) -> Geometry:
@@ -177,7 +177,7 @@ def write(t: torch.Tensor, value: Any) -> None:
 
 def resize_array(base: Any, dtype: torch.dtype, old_nbytes: int, new_nbytes: int, index: int) -> tuple:
     """Callback of the C++ storage resize: the first min(old, new) bytes are kept, new bytes are zero."""
-    base = _deferred.concrete(base)  # a value DEFER_AND_FUSE has not computed yet
+    base = _executor.concrete(base)  # a value DEFER_AND_FUSE has not computed yet
     jd = _runtime.jax_dtype(dtype)
     item = jnp.dtype(jd).itemsize
     if old_nbytes % item == 0 and new_nbytes % item == 0:

@@ -1,0 +1,310 @@
+"""The eager executor: turns each lowering of the table (kernels/registry.py) into PrivateUse1 kernels.
+
+`install()` registers, for every `@lower` entry, an `OpKernel`'s functional form and the in-place and out= forms
+found beside it (kernels/_schema.py), and every `@direct` kernel, into torch.library. An OpKernel call binds the
+arguments by schema, reads tensors as device arrays, applies PyTorch's promotion and casts (kernels/_promote.py)
+and runs the lowering as a cached `jax.jit` callable keyed by the static arguments (jit itself keys on shapes and
+dtypes); a fast path skips the binding on a cache hit. Under DEFER_AND_FUSE the same function is recorded through
+the executor interface (torch_tpu/_executor.py) instead of run.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+
+from torch_tpu import _C, _checks, _executor, _metrics, _runtime, _storage
+
+_fast_args = _C._fast_args
+_wrap = _C._wrap
+_set_whole = _C._set_whole
+_current_mode = _C._mode  # the calling thread's execution mode (torch_tpu/_deferred.py)
+_recording = _C._recording
+from torch_tpu._jax import jax  # noqa: E402
+from torch_tpu.kernels._promote import (  # noqa: E402
+    _check_cast,
+    _check_same_shape,
+    _device_mismatch,
+    wrap_arrays,
+    write_outs,
+)
+from torch_tpu.kernels._schema import (  # noqa: E402
+    GENERATOR,
+    OPT_TENSOR,
+    SCALAR,
+    TENSOR,
+    TENSOR_LIST,
+    Signature,
+    _find_variants,
+    _name,
+    _overload,
+)
+from torch_tpu.kernels.registry import DEFERRABLE, DIRECT, LOWERINGS, Lowering  # noqa: E402
+
+
+# ---- the kernel built from one lowering ----
+
+class OpKernel(Signature):
+    def __init__(self, lowering: Lowering, op: Any) -> None:
+        super().__init__(lowering, op)  # schema analysis: args, arg_names, kinds, defaults, promote_idx...
+        self._jits: dict[Any, Callable[..., Any]] = {}
+        self._runs: dict[Any, Callable[..., Any]] = {}  # the same functions unjitted, recorded by DEFER_AND_FUSE
+        self.out_names: list[str] = []
+        # Fast path, keyed by (number of positional args, _C._fast_args mask): a jitted callable taking just
+        # those arguments' arrays/numbers. Eligible when the given args are Tensor/Scalar per the schema and
+        # every omitted one has a default.
+        # Values: jitted callables; keys: (args given, mask, None for the functional form or the in-place
+        # target's dtype).
+        self._fast: dict[tuple[int, int, torch.dtype | None], Callable[..., Any]] = {}
+        # The same for DEFER_AND_FUSE: (key, unjitted callable) recorded into the pending graph.
+        self._fast_rec: dict[tuple[int, int, torch.dtype | None], tuple[Any, Callable[..., Any]]] = {}
+        self._fast_ok = [
+            all(k in (TENSOR, SCALAR) for k in self.kinds[:n])
+            and all(d is not inspect.Parameter.empty for d in self.defaults[n:])
+            for n in range(len(self.kinds) + 1)
+        ]
+        # Fast path: every argument positional, tensors and scalars only.
+        self.simple = all(k in (TENSOR, SCALAR) for k in self.kinds)
+
+    def prepare(self, vals: list) -> tuple[int, list, tuple, bool]:
+        """(device index, dynamic values, static key, any tpu input) with tensors read as device arrays."""
+        index = -1
+        dev = None
+        dyn: list[Any] = []
+        static: list[Any] = []
+        for v, k in zip(vals, self.kinds):
+            if (k == TENSOR or k == OPT_TENSOR) and isinstance(v, (bool, int, float, complex)):
+                # A Python number reaching a Tensor argument (`x + 1`): a wrapped scalar.
+                dyn.append(v)
+                static.append(type(v))
+            elif k == TENSOR or (k == OPT_TENSOR and v is not None):
+                index, dev = self._check_device(v, index, dev)
+                dyn.append(_storage.read(v) if v.device.type == "tpu" else v)  # CPU scalars: below
+                static.append(None)
+            elif k == TENSOR_LIST:
+                arrs = []
+                for t in v:
+                    if t is None:
+                        arrs.append(None)
+                        continue
+                    index, dev = self._check_device(t, index, dev)
+                    arrs.append(_storage.read(t) if t.device.type == "tpu" else t)
+                dyn.append(arrs)
+                static.append(len(v))
+            elif k == SCALAR:
+                dyn.append(v)
+                static.append(type(v))
+            elif k == GENERATOR:
+                dyn.append(None)
+                static.append(None)
+            else:
+                static.append(tuple(v) if isinstance(v, list) else v)
+                dyn.append(None)
+        has_arrays = index >= 0
+        if index < 0:
+            index = _C._current_device()
+        for i, d in enumerate(dyn):  # CPU tensors allowed above go to the op's device
+            if isinstance(d, torch.Tensor):
+                dyn[i] = _runtime.upload(d, index)
+            elif isinstance(d, list) and any(isinstance(t, torch.Tensor) for t in d):
+                dyn[i] = [_runtime.upload(t, index) if isinstance(t, torch.Tensor) else t for t in d]
+        return index, dyn, tuple(static), has_arrays
+
+    def _check_device(self, t: torch.Tensor, index: int, dev: torch.device | None) -> tuple[int, torch.device]:
+        d = t.device
+        if d.type == "tpu":
+            if index >= 0 and d.index != index:
+                raise _device_mismatch(self.name, dev, d)
+            return d.index, d
+        if d.type == "cpu" and (t.dim() == 0 or self.lowering.cpu_tensors):
+            return index, dev  # CPU scalars (and, where allowed, index tensors) mix with device tensors, as on CUDA
+        raise _device_mismatch(self.name, dev if dev is not None else torch.device("tpu", _C._current_device()), d)
+
+    def compute(self, vals: list, out_dtype: Any = None) -> tuple[int, Any]:
+        if _runtime.in_bad_fork:  # the slow path of every lowering (the fast path reads storages in C++)
+            raise _runtime.fork_error()
+        index, dyn, static, has_arrays = self.prepare(vals)
+        key = (static, out_dtype) if has_arrays else (static, out_dtype, index)
+        if self.lowering.jit and _recording():
+            run = self._runs.get(key)
+            if run is None:
+                run = self._runs[key] = self._traced(static, out_dtype)
+                run._torch_tpu_op = f"aten::{self.name}"  # type: ignore[attr-defined]
+            return index, _executor.record(index, (self.name, key), run, dyn)
+        fn = self._jits.get(key)
+        if fn is None:
+            run = self._traced(static, out_dtype)
+            # (_checks.jit / _checks.eager: index checks the lowering reports are registered after each call)
+            if not self.lowering.jit:
+                fn = _checks.eager(run)
+            elif has_arrays:
+                fn = _checks.jit(run)
+            else:  # nothing to follow: place the result on the op's device
+                fn = _checks.jit(run, out_shardings=jax.sharding.SingleDeviceSharding(_runtime.device(index)))
+            self._jits[key] = fn
+        return index, fn(*dyn)
+
+    # -- the three installed forms --
+    def _positional(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Keyword arguments that are exactly the next schema arguments become positional (fast path)."""
+        names = self.arg_names[len(args):len(args) + len(kwargs)]
+        if len(names) == len(kwargs) and all(n in kwargs for n in names):
+            return args + tuple(kwargs[n] for n in names), {}
+        return args, kwargs
+
+    def functional(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            args, kwargs = self._positional(args, kwargs)
+        if not kwargs:
+            fast = _fast_args(args)
+            if fast is not None:
+                if not _current_mode():
+                    fn = self._fast.get((len(args), fast[1], None))
+                    if fn is not None:
+                        return _wrap(fn(*fast[2]), None, fast[0])
+                elif _recording():
+                    entry = self._fast_rec.get((len(args), fast[1], None))
+                    if entry is not None:
+                        return _wrap(_executor.record(fast[0], entry[0], entry[1], fast[2]), None, fast[0])
+        vals = self.bind(args, kwargs)
+        index, out = self.compute(vals)
+        self._after_slow_call(args, kwargs, vals, out)
+        return wrap_arrays(out, index)
+
+    def _after_slow_call(self, args: tuple, kwargs: dict, vals: list, out: Any,
+                         inplace_dtype: torch.dtype | None = None) -> None:
+        """After a call that took the slow path: wait for the device under DEFER_NEVER_AND_LAUNCH_BLOCKING, else
+        install the fast-path entry for calls shaped like this one (the recorded kind under DEFER_AND_FUSE)."""
+        mode = _current_mode()
+        if mode == _executor.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
+            _executor.block_arrays(out)
+            return
+        if kwargs or not self.lowering.jit or not self._fast_ok[len(args)] or isinstance(out, (tuple, list)):
+            return
+        if mode and not _recording():
+            return  # inside a kernel that runs eagerly under DEFER_AND_FUSE: no entry for either table
+        fast = _fast_args(args)
+        if fast is not None:
+            self._install_fast(len(args), fast[1], vals, inplace_dtype, recorded=bool(mode))
+
+    def _install_fast(self, n: int, mask: int, vals: list, inplace_dtype: torch.dtype | None = None,
+                      recorded: bool = False) -> None:
+        """Caches a jitted callable for calls shaped like this one (see `functional` and `inplace`); with
+        `recorded`, the unjitted callable DEFER_AND_FUSE records instead. An existing entry is kept: replacing
+        it would throw away its compiled executables (jit keys them on shapes)."""
+        key = (n, mask, inplace_dtype)
+        table = self._fast_rec if recorded else self._fast
+        if key in table:
+            return
+        _, dyn, static, _ = self.prepare(vals)
+        out_dtype = None if inplace_dtype is None else _runtime.jax_dtype(inplace_dtype)
+        run = self._traced(static, out_dtype)
+        tail = tuple(dyn[n:])
+
+        def given_args(*given: Any) -> Any:
+            return run(*given, *tail)
+
+        if recorded:
+            given_args._torch_tpu_op = f"aten::{self.name}"  # type: ignore[attr-defined]
+            self._fast_rec[key] = ((self.name, "fast", key), given_args)
+        else:
+            self._fast[key] = _checks.jit(given_args)
+
+    def inplace(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            args, kwargs = self._positional(args, kwargs)
+        if not kwargs:
+            fast = _fast_args(args)
+            if fast is not None:
+                if not _current_mode():
+                    fn = self._fast.get((len(args), fast[1], args[0].dtype))
+                    if fn is not None and _set_whole(args[0], fn(*fast[2])):
+                        return args[0]
+                elif _recording():
+                    entry = self._fast_rec.get((len(args), fast[1], args[0].dtype))
+                    if entry is not None and _set_whole(args[0], _executor.record(fast[0], entry[0], entry[1],
+                                                                                  fast[2])):
+                        return args[0]
+        vals = self.bind(args, kwargs)
+        target = vals[0]
+        index, out = self.compute(vals)
+        _check_same_shape(self.name, target, out)
+        _check_cast(self.name, _runtime.torch_dtype(out.dtype), target.dtype)
+        _storage.write(target, out)
+        self._after_slow_call(args, kwargs, vals, out, target.dtype)
+        return target
+
+    def out(self, *args: Any, **kwargs: Any) -> Any:
+        n_out = self.n_returns
+        outs = [kwargs.pop(a) for a in self.out_names if a in kwargs]
+        if len(outs) < n_out:
+            outs = list(args[len(args) - n_out:]) + outs
+            args = args[: len(args) - n_out]
+        vals = self.bind(args, kwargs)
+        for o in outs:
+            if o.device.type != "tpu":
+                raise _device_mismatch(self.name, torch.device("tpu", _C._current_device()), o.device)
+        index, result = self.compute(vals)
+        write_outs(self.name, outs, result if isinstance(result, (tuple, list)) else (result,))
+        if _current_mode() == _executor.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
+            _executor.block_arrays(result)
+        return outs[0] if n_out == 1 else tuple(outs)
+
+
+# ---- installation ----
+
+_LIB: torch.library.Library | None = None
+KERNELS: dict[str, OpKernel] = {}
+
+
+def install() -> None:
+    """Registers every lowering (with its in-place and out= forms) and direct kernel for PrivateUse1."""
+    global _LIB
+    if _LIB is not None:
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    for code in (OpKernel.functional, OpKernel.inplace, OpKernel.out):
+        _metrics.register_kernel_code(code.__code__)
+
+    def impl(name: str, fn: Callable[..., Any], deferrable: bool, reason: str) -> None:
+        # A kernel that needs concrete arrays flushes DEFER_AND_FUSE's pending work first (and, like every
+        # kernel, waits for the device under DEFER_NEVER_AND_LAUNCH_BLOCKING).
+        lib.impl(name, fn if deferrable else _executor.boundary(fn, reason), "PrivateUse1")
+
+    for name, lowering in LOWERINGS.items():
+        if lowering.trace_only:
+            continue
+        op = _overload(name)
+        kernel = OpKernel(lowering, op)
+        KERNELS[name] = kernel
+        impl(name, kernel.functional, lowering.jit, "data_dependent")
+        if lowering.variants:
+            inplace, out = _find_variants(op)
+            if inplace is not None and _name(inplace) not in LOWERINGS and _name(inplace) not in DIRECT:
+                impl(_name(inplace), kernel.inplace, lowering.jit, "data_dependent")
+            if out is not None and _name(out) not in LOWERINGS and _name(out) not in DIRECT:
+                kernel.out_names = [a.name for a in out._schema.arguments if a.is_out]
+                impl(_name(out), kernel.out, lowering.jit, "data_dependent")
+    for name, fn in DIRECT.items():
+        reason = "item" if name in ("_local_scalar_dense", "equal") else f"aten::{name}"
+        if name in DEFERRABLE:
+            lib.impl(name, _executor.blocking_after(fn), "PrivateUse1")
+        else:
+            impl(name, fn, False, reason)
+    _LIB = lib
+
+
+def registered_overloads() -> list[str]:
+    """Every aten overload with a tpu kernel, including generated in-place and out= forms."""
+    names = set(DIRECT)
+    for name, lowering in LOWERINGS.items():
+        if lowering.trace_only:
+            continue
+        names.add(name)
+        if lowering.variants:
+            for v in _find_variants(_overload(name)):
+                if v is not None:
+                    names.add(_name(v))
+    return sorted(names)
