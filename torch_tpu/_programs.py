@@ -2,7 +2,7 @@
 
 XLA:CPU JIT-compiles each kernel of an executable into mappings of its own (code, read-only data, data: about
 three per kernel, so 10 to 60 for one eager program), and an executable lives as long as a cache holds it:
-JAX's per-function jit caches (the per-op callables of kernels/registry.py, the storage readers and writers,
+JAX's per-function jit caches (the per-op callables of torch_tpu/_eager.py, the storage readers and writers,
 the random samplers, one per shape), and the fused programs of _deferred. A process that compiles thousands of
 programs (PyTorch's own test/test_view_ops.py run whole against tpu) reaches the kernel's limit on mappings per
 process (`vm.max_map_count`, 65530 by default); LLVM's next mapping then fails ("LLVM compilation error: Cannot
