@@ -19,7 +19,8 @@ executable; `DiskCache` is the storage JAX writes through, adding what JAX's fil
 
 torch_tpu also stores, in the same checksummed entries, what lets a warm start skip JAX's tracing and
 lowering too: each op's output shapes under DEFER_AND_FUSE (`s-*` entries) and whole fused programs keyed by
-their structure (`g-*` entries, serialized with jax.experimental.serialize_executable). Their keys add the
+their structure (`g-*` entries, serialized with jax.experimental.serialize_executable; executors call
+`load_program` and `compile_program`, and `get_meta`/`put_meta` for small values). Their keys add the
 JAX configuration and XLA_FLAGS, which JAX's own key covers for its entries.
 """
 
@@ -597,6 +598,56 @@ def store_executable(text: str, compiled: Any) -> None:
                       CompileCacheWarning, stacklevel=2)
         return
     _cache._put(path, key, blob, count=True, compile_seconds=getattr(_cache._tls, "last_compile_seconds", 0.0))
+
+
+# ---- whole programs of an executor (DEFER_AND_FUSE's fused graphs) ----
+
+def _program_text(structure: str, device: Any, inputs: list[Any]) -> str:
+    """The key of a whole program: the executor's structural key, plus what the executable is specific to (its
+    inputs' types, shapes and dtypes, and the device it was compiled for)."""
+    import jax
+
+    specs = [(type(a).__name__, tuple(getattr(a, "shape", ())), str(getattr(a, "dtype", ""))) for a in inputs]
+    return repr((structure, specs, device.platform, device.device_kind, device.id, jax.process_count()))
+
+
+def load_program(structure: str, device: Any, inputs: list[Any]) -> Any:
+    """The program an earlier process compiled (`compile_program`) for the executor's structural key
+    `structure` (a text meaning the same in every process) and these `inputs`, loaded onto `device`, or None.
+    On XLA:CPU a loaded program is run once on zeros shaped like `inputs` first (see `_runs`)."""
+    text = _program_text(structure, device, inputs)
+    program = load_executable(text, device)
+    if program is not None and device.platform == "cpu" and not _runs(program, inputs, text):
+        return None
+    return program
+
+
+def compile_program(structure: str, device: Any, jitted: Any, inputs: list[Any]) -> Any:
+    """Compiles the jitted function `jitted` for `inputs` outside JAX's cache and stores the executable whole
+    under (`structure`, inputs, device), for `load_program` in later processes; returns the executable."""
+    with storing_elsewhere():  # stored below as a whole program: JAX's copy would be a duplicate
+        compiled = jitted.lower(*inputs).compile()
+    store_executable(_program_text(structure, device, inputs), compiled)
+    return compiled
+
+
+def _runs(program: Any, inputs: list[Any], text: str) -> bool:
+    """XLA:CPU only: runs a program loaded from disk once on zeros shaped like `inputs` (the real inputs may be
+    donated). An XLA:CPU executable that was itself deserialized before it was serialized lacks its kernels
+    ("Function ... not found"), which only shows when it runs; storing_elsewhere() prevents writing such
+    entries, and this catches any that still exist. A program that fails is dropped from the cache."""
+    import jax
+    import numpy as np
+
+    try:
+        # numpy zeros placed on the device: no program of its own to compile
+        dry = [jax.device_put(np.zeros(a.shape, a.dtype), next(iter(a.devices()))) if hasattr(a, "devices")
+               else a for a in inputs]
+        jax.block_until_ready(program(*dry))
+        return True
+    except Exception as e:  # noqa: BLE001 - any failure: recompile instead
+        discard_executable(text, f"not runnable ({type(e).__name__}: {str(e)[:200]})")
+        return False
 
 
 def install() -> DiskCache | None:

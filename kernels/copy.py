@@ -85,4 +85,4 @@ def _copy_from_and_resize(self: torch.Tensor, dst: torch.Tensor) -> torch.Tensor
 
 @direct("_local_scalar_dense")
 def _local_scalar_dense(self: torch.Tensor) -> Any:
-    return _runtime.download(_storage.read(self)).item()
+    return _runtime.download(_executor.concrete(_storage.read(self))).item()

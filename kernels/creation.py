@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from torch_tpu import _C, _executor, _runtime, _storage
+from torch_tpu import _executor, _rng, _runtime, _storage
 from torch_tpu._jax import jax, jnp
 from torch._prims_common.wrappers import _maybe_resize_out
 
@@ -82,22 +82,11 @@ def arange_start_out(start: Any, end: Any, step: Any = 1, *, out: torch.Tensor) 
 
 # ---- random ----
 
-def generator_for(generator: torch.Generator | None, t: torch.Tensor) -> torch.Generator:
-    if generator is None:
-        from torch_tpu import device_module
-
-        return device_module.default_generators[t.device.index]
-    if generator.device.type != "tpu":
-        raise RuntimeError(
-            f"Expected a 'tpu' device type for generator but found '{generator.device.type}'"
-        )
-    return generator
-
-
-def _key(seed: Any, offset: Any) -> Any:
-    key = jax.random.key(seed)
-    key = jax.random.fold_in(key, (offset & 0xFFFFFFFF).astype(jnp.uint32))
-    return jax.random.fold_in(key, (offset >> 32).astype(jnp.uint32))
+# Generator state -> JAX keys lives in torch_tpu/_rng.py (shared with traced programs); these names are the
+# kernels' (kernels/nn.py's dropout uses _key and _philox).
+generator_for = _rng.generator_for
+_key = _rng.key
+_philox = _rng.draw
 
 
 def _sample_dtype(dtype: Any) -> Any:
@@ -146,11 +135,6 @@ def _sampler(fn: Any, shape: tuple[int, ...], dtype: Any, index: int) -> Any:
         return fn(_key(seed, offset), shape, dtype, *params).astype(dtype)
 
     return _executor.jitted(sample, index, key=(fn.__qualname__, shape, dtype, index))
-
-
-def _philox(generator: torch.Generator | None, t: torch.Tensor) -> tuple[Any, Any]:
-    seed, offset = _C._philox_step(generator_for(generator, t), 1)
-    return jnp.uint64(seed), jnp.uint64(offset)
 
 
 def _fill_random(self: torch.Tensor, generator: Any, fn: Any, *params: Any) -> torch.Tensor:

@@ -39,35 +39,36 @@ c10::ScalarType scalar_type_of(PyObject* dtype) {
   return reinterpret_cast<THPDtype*>(dtype)->scalar_type;
 }
 
-// DEFER_AND_FUSE (torch_tpu/_deferred.py): a storage may hold a `Pending` placeholder for a value that a
-// deferred graph will compute. Once the graph ran, the placeholder's `value` is the device array: every
-// accessor below swaps it into the storage on first read, so later reads take the plain fast path. A thread
-// that is not recording (another thread's value, or its own after its mode changed) computes the value first:
-// an eager kernel never sees a placeholder.
-PyObject* g_pending_type = nullptr;
+// What a storage holds: a concrete device array, or a placeholder. The runtime knows one concrete array type
+// (jax's ArrayImpl, registered by torch_tpu/_runtime.py when it starts: `_set_array_type`); any other object
+// held is a placeholder for a value an executor has not computed yet (DEFER_AND_FUSE's, torch_tpu/_deferred.py).
+// This layer never looks inside a placeholder. The contract, for whichever executor makes placeholders:
+//   - a placeholder has the shape and dtype of the value it stands for (`array_shape`, `array_dtype` below are
+//     recorded when it is stored, as for an array);
+//   - every accessor below that reads a storage first calls the one resolver registered with `_set_resolver`
+//     (in torch_tpu/__init__.py), `resolver(placeholder)`, which returns the concrete array to hold from now
+//     on, or None to keep holding the placeholder (the calling thread records work with it and needs no value
+//     yet). The resolver may compute the value, release the GIL and let other threads run; it may raise. An
+//     eager kernel thus never sees a placeholder, and a resolved one is swapped out on first read, so later
+//     reads take the fast path.
+// The check on the fast path is one type-pointer comparison, as cheap as the type check it replaces.
+PyObject* g_array_type = nullptr;  // the concrete device array type
+PyObject* g_resolver = nullptr;    // placeholder -> concrete array, or None to keep it
 
-inline void resolve_pending(TpuBuffer* buf) {
+inline void resolve_placeholder(TpuBuffer* buf) {
   PyObject* a = buf->array;
-  if (a == nullptr || g_pending_type == nullptr || reinterpret_cast<PyObject*>(Py_TYPE(a)) != g_pending_type) return;
-  PyObject* v = PyObject_GetAttrString(a, "value");
+  if (a == nullptr || reinterpret_cast<PyObject*>(Py_TYPE(a)) == g_array_type || g_resolver == nullptr) return;
+  Py_INCREF(a);  // the resolver may release the GIL: another thread may swap the storage's array meanwhile
+  PyObject* v = PyObject_CallOneArg(g_resolver, a);
   if (v == nullptr) {
-    PyErr_Clear();
-    return;
-  }
-  if (v == Py_None && !recording()) {
-    Py_DECREF(v);
-    Py_INCREF(a);  // the flush may release the GIL: another thread may swap the storage's array meanwhile
-    v = PyObject_CallMethod(a, "concrete", nullptr);
-    if (v == nullptr) {
-      Py_DECREF(a);
-      throw python_error();
-    }
-    bool same = buf->array == a;
     Py_DECREF(a);
-    if (!same) {
-      Py_DECREF(v);
-      return resolve_pending(buf);
-    }
+    throw python_error();
+  }
+  bool same = buf->array == a;
+  Py_DECREF(a);
+  if (!same) {
+    Py_DECREF(v);
+    return resolve_placeholder(buf);
   }
   if (v != Py_None) set_buffer_array(buf, v, buf->array_dtype, buf->array_shape);
   Py_DECREF(v);
@@ -101,7 +102,7 @@ PyObject* py_array(PyObject* /*self*/, PyObject* obj) {
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   if (impl->device_type() != kTpu || impl->storage_offset() != 0) Py_RETURN_NONE;
   TpuBuffer* buf = buffer_of(impl->unsafe_storage());
-  resolve_pending(buf);
+  resolve_placeholder(buf);
   if (buf->array == nullptr || buf->array_dtype != impl->dtype().toScalarType()) Py_RETURN_NONE;
   auto sizes = impl->sizes();
   if (!sizes.equals(buf->array_shape) || !impl->is_contiguous()) Py_RETURN_NONE;
@@ -173,7 +174,7 @@ PyObject* py_storage_array(PyObject* /*self*/, PyObject* obj) {
   HANDLE_TH_ERRORS
   c10::Storage storage = storage_arg(obj);
   TpuBuffer* buf = buffer_of(storage);
-  resolve_pending(buf);
+  resolve_placeholder(buf);
   PyObject* arr = buf->array ? buf->array : Py_None;
   return Py_BuildValue("(Oni)", arr, static_cast<Py_ssize_t>(buf->nbytes), static_cast<int>(buf->device));
   END_HANDLE_TH_ERRORS
@@ -211,7 +212,7 @@ PyObject* py_fast_args(PyObject* /*self*/, PyObject* args) {
       }
       int idx = impl->device().index();
       TpuBuffer* buf = buffer_of(impl->unsafe_storage());
-      resolve_pending(buf);
+      resolve_placeholder(buf);
       if ((device >= 0 && idx != device) || buf->array == nullptr ||
           buf->array_dtype != impl->dtype().toScalarType() || !impl->sizes().equals(buf->array_shape) ||
           !impl->is_contiguous()) {
@@ -262,10 +263,17 @@ PyObject* py_set_whole(PyObject* /*self*/, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
-PyObject* py_set_pending_type(PyObject* /*self*/, PyObject* type) {
+PyObject* py_set_array_type(PyObject* /*self*/, PyObject* type) {
   Py_INCREF(type);
-  Py_XDECREF(g_pending_type);
-  g_pending_type = type;
+  Py_XDECREF(g_array_type);
+  g_array_type = type;
+  Py_RETURN_NONE;
+}
+
+PyObject* py_set_resolver(PyObject* /*self*/, PyObject* fn) {
+  Py_INCREF(fn);
+  Py_XDECREF(g_resolver);
+  g_resolver = fn;
   Py_RETURN_NONE;
 }
 
@@ -293,7 +301,8 @@ PyMethodDef kFastMethods[] = {
     {"_set_dtype_map", py_set_dtype_map, METH_O, "{numpy dtype: torch.dtype} used by _wrap"},
     {"_set_collector", py_set_collector, METH_O, "the compiled-program collector (torch_tpu._programs.collect)"},
     {"_set_collect_due", py_set_collect_due, METH_NOARGS, "run the collector at the next safe point"},
-    {"_set_pending_type", py_set_pending_type, METH_O, "the deferred-value placeholder type (resolved on read)"},
+    {"_set_array_type", py_set_array_type, METH_O, "the concrete array type (others are placeholders)"},
+    {"_set_resolver", py_set_resolver, METH_O, "placeholder -> array or None (see above)"},
     {"_set_whole", py_set_whole, METH_VARARGS, "swap in an array of exactly the tensor's shape and dtype"},
     {"_array", py_array, METH_O, "the storage's array if the tensor views it whole, else None"},
     {"_wrap", py_wrap, METH_VARARGS, "wrap a device array as a new tpu tensor"},

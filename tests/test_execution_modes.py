@@ -173,6 +173,24 @@ def test_graphs_cached_and_scalars_do_not_recompile() -> None:
         torch.testing.assert_close(r, (x.cpu() * s + 1).relu() - s)
 
 
+def test_program_collection_drops_the_fused_programs() -> None:
+    from torch_tpu import _programs
+
+    x = torch.randn(8, device="tpu")
+    with torch.tpu.set_eager_mode(FUSE):
+        (x * 3 + 1).relu().cpu()
+        torch.tpu.reset_metrics()
+        (x * 3 + 1).relu().cpu()
+        m = torch.tpu.metrics()
+        assert m.fused_graph_runs == 1 and m.fused_graph_compiles == 0 and m.persistent_cache_hits == 0
+        _programs.collect()  # the collector drops the executor's own cache too (registered in torch_tpu/__init__)
+        torch.tpu.reset_metrics()
+        out = (x * 3 + 1).relu().cpu()
+        m = torch.tpu.metrics()
+    assert m.fused_graph_compiles + m.persistent_cache_hits >= 1  # compiled again, or loaded from disk
+    torch.testing.assert_close(out, (x.cpu() * 3 + 1).relu())
+
+
 def test_error_surfaces_at_the_op() -> None:
     a, b = torch.ones(3, device="tpu"), torch.ones(4, device="tpu")
     with torch.tpu.set_eager_mode(FUSE):

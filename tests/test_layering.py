@@ -125,8 +125,6 @@ def test_checks_import_no_executor() -> None:
     assert _checks._LAUNCH_BLOCKING == EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 1: _runtime still imports _deferred (download, synchronize); "
-                   "the ground-floor part of the item removes that: drop this mark with it")
 def test_runtime_imports_no_executor() -> None:
     assert _offending([REPO / "torch_tpu" / "_runtime.py"], _EXECUTORS | {"torch_tpu._executor"}) == {}
 

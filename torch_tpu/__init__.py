@@ -27,16 +27,18 @@ _FALLBACK_MODES = {"": 0, "0": 0, "strict": 0, "off": 0, "warn": 1, "1": 1}
 
 
 def _setup() -> None:
-    from torch_tpu import _config, _deferred, _eager, _metrics, _runtime, _storage, compile_cache, device_module
+    from torch_tpu import (_config, _deferred, _eager, _metrics, _programs, _runtime, _storage, compile_cache,
+                           device_module)
 
     torch.utils.rename_privateuse1_backend("tpu")
     torch._register_device_module("tpu", device_module)
     torch.utils.generate_methods_for_privateuse1_backend(
         for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True
     )
-    _C._set_callbacks(_runtime.start, _storage.resize_array, _runtime.synchronize)
+    _C._set_callbacks(_runtime.start, _storage.resize_array, device_module._synchronize)
     _eager.install()  # the table's lowerings (torch_tpu.kernels) as PrivateUse1 kernels
-    _C._set_pending_type(_deferred.Pending)  # DEFER_AND_FUSE placeholders, resolved by the C++ accessors
+    _C._set_resolver(_deferred.resolve)  # the storage accessors' placeholder contract (runtime/TpuPython.cpp)
+    _programs.register_cache(_deferred.drop_programs)  # the program collector drops the fused programs too
     # A bad TORCH_TPU_* value must not break `import torch`: it is raised at the first tpu use (_config).
     try:
         _deferred.mode_from_env()

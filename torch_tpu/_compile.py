@@ -43,7 +43,7 @@ import torch.fx
 from torch._dynamo.device_interface import DeviceInterface, register_interface_for_device
 from torch._dynamo.utils import counters
 
-from torch_tpu import _C, _checks, _executor, _runtime, _storage, _trace, device_module
+from torch_tpu import _C, _checks, _executor, _rng, _runtime, _storage, _trace, device_module
 from torch_tpu._jax import jax
 from torch_tpu.kernels import registry
 from torch_tpu.kernels._promote import wrap_arrays
@@ -492,11 +492,7 @@ class _GraphProgram:
             if not self.random:
                 outs, muts = self._interpret(statics, arrays)
             else:
-                seed, offset = arrays[-2:]
-                key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed),
-                                                            (offset & 0xFFFFFFFF).astype("uint32")),
-                                         (offset >> 32).astype("uint32"))
-                with _trace.trace_random(key):
+                with _rng.trace_random(_rng.key(*arrays[-2:])):
                     outs, muts = self._interpret(statics, arrays[:-2])
         return outs, muts, dict(checks)
 
@@ -580,8 +576,7 @@ class _GraphProgram:
             if host_feeds:
                 arrays += [_read_input(henv[n], index) for n in host_feeds]
             if self.random:
-                seed, offset = _C._philox_step(device_module.default_generators[index], 1)
-                arrays += [np.uint64(seed), np.uint64(offset)]
+                arrays += _rng.program_draw(index)
             if self.dump_dir is not None and statics not in self.dumped:
                 self._dump(statics, arrays)
             if statics not in out_values:

@@ -7,7 +7,7 @@ calling thread's pending graph of its device instead and returns `Pending` place
 shape and dtype (from a cached `jax.eval_shape`); storages hold these placeholders like arrays. `flush()` runs the whole
 graph as one cached `jax.jit` program whose outputs are only the placeholders still alive (a storage or a
 tensor holds them): results nobody can read are never materialised. The C++ accessors swap a resolved
-placeholder for its array on first read (runtime/TpuPython.cpp).
+placeholder for its array on first read, through `resolve` (the placeholder contract in runtime/TpuPython.cpp).
 
 A graph is flushed when a value is needed: `.cpu()`, `.item()`, printing, `torch.tpu.synchronize()`, an op
 with data-dependent shapes or any kernel not written for deferral (they run eagerly after the flush), a mode
@@ -186,6 +186,17 @@ class Pending:
     def __repr__(self) -> str:
         state = "resolved" if self.value is not None else "pending"
         return f"Pending({state}, shape={self.shape}, dtype={self.dtype})"
+
+
+def resolve(x: Any) -> Any:
+    """The resolver of the storage accessors (runtime/TpuPython.cpp): a placeholder's array once computed; while
+    the calling thread records, None (keep the placeholder); otherwise its value is computed now."""
+    if type(x) is not Pending:
+        return None
+    v = x.value
+    if v is None and not recording():
+        v = x.concrete()
+    return v
 
 
 def concrete(x: Any, reason: str = "value_needed") -> Any:
@@ -554,53 +565,32 @@ def _donatable(inputs: list[Any], alive: list[Pending]) -> tuple[int, ...]:
 
 
 def _fused_program(g: _Graph, outs: tuple, donate: tuple[int, ...]) -> Callable[..., Any]:
-    """The compiled program of graph `g`: loaded from the persistent cache when every op's key is stable and an
-    earlier process compiled the same graph (no tracing, lowering or compiling), else traced and compiled
-    (and then stored)."""
+    """The compiled program of graph `g`: loaded from the persistent cache (torch_tpu.compile_cache) when every
+    op's key is stable and an earlier process compiled the same graph (no tracing, lowering or compiling), else
+    traced and compiled (and then stored there)."""
     from torch_tpu import compile_cache
 
     texts = [_node_text.get(k) for k in g.keys]
-    text = None
+    structure = None
+    device = _runtime.device(g.index)
     if all(t is not None for t in texts):
-        specs = [(type(a).__name__, tuple(getattr(a, "shape", ())), str(getattr(a, "dtype", "")))
-                 for a in g.inputs]
-        device = _runtime.device(g.index)
-        text = repr((texts, outs, donate, specs, device.platform, device.device_kind, device.id,
-                     jax.process_count(), _checks.enabled))
-        loaded = compile_cache.load_executable(text, device)
-        if loaded is not None and (device.platform != "cpu" or _runs(loaded, g.inputs, text)):
+        structure = repr((texts, outs, donate, _checks.enabled))
+        loaded = compile_cache.load_program(structure, device, g.inputs)
+        if loaded is not None:
             return loaded
     replay = _replay(list(g.nodes), outs)
     replay.__name__ = f"torch_tpu_fused_{len(g.nodes)}_ops"
-    jitted = jax.jit(replay, out_shardings=jax.sharding.SingleDeviceSharding(_runtime.device(g.index)),
-                     donate_argnums=donate)
+    jitted = jax.jit(replay, out_shardings=jax.sharding.SingleDeviceSharding(device), donate_argnums=donate)
     _metrics.fused_compile()
-    if text is None:
+    if structure is None:
         return jitted
-    with compile_cache.storing_elsewhere():  # stored below as a whole program: JAX's copy would be a duplicate
-        compiled = jitted.lower(*g.inputs).compile()
-    compile_cache.store_executable(text, compiled)
-    return compiled
+    return compile_cache.compile_program(structure, device, jitted, g.inputs)
 
 
-def _runs(program: Any, inputs: list[Any], text: str) -> bool:
-    """XLA:CPU only: runs a program loaded from disk once on zeros shaped like `inputs` (the real inputs may be
-    donated). An XLA:CPU executable that was itself deserialized before it was serialized lacks its kernels
-    ("Function ... not found"), which only shows when it runs; storing_elsewhere() prevents writing such
-    entries, and this catches any that still exist. A program that fails is dropped from the cache."""
-    from torch_tpu import compile_cache
-
-    try:
-        import numpy as np
-
-        # numpy zeros placed on the device: no program of its own to compile
-        dry = [jax.device_put(np.zeros(a.shape, a.dtype), next(iter(a.devices()))) if hasattr(a, "devices")
-               else a for a in inputs]
-        jax.block_until_ready(program(*dry))
-        return True
-    except Exception as e:  # noqa: BLE001 - any failure: recompile instead
-        compile_cache.discard_executable(text, f"not runnable ({type(e).__name__}: {str(e)[:200]})")
-        return False
+def drop_programs() -> None:
+    """Drops every compiled fused program held here (the program collector's hook, torch_tpu/_programs.py)."""
+    with _lock:
+        _fused.clear()
 
 
 def _op_name(fn: Any) -> str:

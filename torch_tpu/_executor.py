@@ -153,27 +153,5 @@ def blocking_after(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 # ---- random values in traced programs ----
 # The executor gives each program call a fresh key (`trace_random`), and each random lowering traced under it
-# takes its own stream (`next_trace_key`).
-_trace_rng = threading.local()
-
-
-class trace_random:
-    """`with trace_random(key):` random lowerings traced inside draw from `key` (one fold per random op)."""
-
-    def __init__(self, key: Any) -> None:
-        self.key = key
-
-    def __enter__(self) -> None:
-        self.saved = getattr(_trace_rng, "state", None)
-        _trace_rng.state = [self.key, 0]
-
-    def __exit__(self, *exc: Any) -> None:
-        _trace_rng.state = self.saved
-
-
-def next_trace_key() -> Any:
-    state = getattr(_trace_rng, "state", None)
-    if state is None:
-        raise NotImplementedError("a random op traced without a key: the executor must trace it under trace_random")
-    state[1] += 1
-    return jax.random.fold_in(state[0], state[1])
+# takes its own stream (`next_trace_key`); both live in the one RNG module, torch_tpu/_rng.py.
+from torch_tpu._rng import next_trace_key, trace_random  # noqa: E402

@@ -21,10 +21,19 @@ its own calls runs (the compile listener itself runs inside one).
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 _lock = threading.Lock()
 _installed = False
+# Compiled programs an executor keeps in a cache of its own (DEFER_AND_FUSE's fused programs): each registers the
+# function that drops them (`register_cache`, wired in torch_tpu/__init__.py), so this runtime module imports no
+# executor.
+_executor_caches: list[Callable[[], None]] = []
+
+
+def register_cache(clear: Callable[[], None]) -> None:
+    """`clear()` drops an executor's own compiled programs; a collection calls it before clearing JAX's caches."""
+    _executor_caches.append(clear)
 
 # Mappings per compile assumed when spacing the checks: pessimistic (one large fused program of ~130 kernels),
 # so a check comes before the headroom can be used up.
@@ -106,8 +115,6 @@ def collect() -> None:
 
         _C._set_collect_due()
         return
-    from torch_tpu import _deferred
-
     for a in jax.live_arrays():
         if not a.is_deleted():  # another thread's program may have consumed (donated) it meanwhile
             try:
@@ -115,9 +122,9 @@ def collect() -> None:
             except RuntimeError:
                 if not a.is_deleted():
                     raise
-    with _deferred._lock:
-        _deferred._fused.clear()  # compiled fused graphs hold their executables directly
-        jax.clear_caches()
+    for clear in _executor_caches:
+        clear()  # compiled fused graphs hold their executables directly
+    jax.clear_caches()
     with _lock:
         state.collections += 1
         state.after_collect = mappings()

@@ -117,9 +117,12 @@ def start() -> int:
             _platform, _devices = _pick_devices()
             if not _JAX_TO_TORCH:
                 _build_dtype_maps()
+            from jax._src.array import ArrayImpl
+
             from torch_tpu import _C, _metrics, _programs, compile_cache
 
             _C._set_dtype_map(dict(_JAX_TO_TORCH))
+            _C._set_array_type(ArrayImpl)  # what storages hold when not an executor's placeholder (TpuPython.cpp)
             _metrics.install_listener()
             _programs.install()  # bounds the compiled programs kept alive (XLA:CPU maps memory per kernel)
             compile_cache.install()
@@ -258,11 +261,14 @@ def upload(t: torch.Tensor, index: int) -> Any:
 
 def download(arr: Any) -> torch.Tensor:
     """A CPU tensor with the values of the device array `arr` (waits for it). A synchronization point: an
-    out-of-range index of an earlier op raises here (torch_tpu/_checks.py)."""
-    from torch_tpu import _checks, _deferred, _metrics
+    out-of-range index of an earlier op raises here (torch_tpu/_checks.py). `arr` is a concrete array: a value
+    an executor has not computed yet (a DEFER_AND_FUSE placeholder) is resolved by the caller first."""
+    from torch_tpu import _checks, _metrics
 
+    if not hasattr(arr, "__array__"):
+        raise TypeError(f"torch_tpu: internal error: download() needs a concrete device array, got {arr!r} "
+                        "(resolve an executor's placeholder before reading it)")
     _metrics.tick()
-    arr = _deferred.concrete(arr)
     _checks.raise_pending()
     np_arr = np.asarray(arr)
     dtype = torch_dtype(np_arr.dtype)
@@ -276,16 +282,17 @@ def download(arr: Any) -> torch.Tensor:
 
 
 def synchronize(index: int | None = None) -> None:
-    """Waits for all work queued on tpu devices (or on tpu:`index`)."""
+    """Waits for all work queued on tpu devices (or on tpu:`index`) by every thread. Work an executor holds back
+    (DEFER_AND_FUSE's pending graphs) is not device work yet: torch.tpu.synchronize issues the calling thread's
+    first (torch_tpu/device_module.py), then calls this."""
     if _devices is None:
         return
     check_not_forked()
     import jax
 
-    from torch_tpu import _checks, _deferred, _metrics
+    from torch_tpu import _checks, _metrics
 
     _metrics.tick()
-    _deferred.flush_thread("synchronize")  # this thread's pending graphs; the device work of every thread
     want = None if index is None or index < 0 else _devices[index]
     for a in jax.live_arrays():
         try:

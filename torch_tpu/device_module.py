@@ -112,7 +112,16 @@ def synchronize(d: DeviceLike = None) -> None:
     """Waits until all queued work on the tpu device (default: the current one) has finished."""
     if not is_initialized():
         return
-    _runtime.synchronize(_index(d))
+    _synchronize(_index(d))
+
+
+def _synchronize(index: int) -> None:
+    """The synchronization point of the front (torch.tpu.synchronize, and the C++ device guard's
+    synchronizeDevice, wired in torch_tpu/__init__.py): the calling thread's pending graphs become device work,
+    then the runtime waits for the device work of every thread (other threads' graphs are theirs to run)."""
+    _runtime.check_not_forked()
+    _deferred.flush_thread("synchronize")
+    _runtime.synchronize(index)
 
 
 def platform() -> str:

@@ -1,0 +1,89 @@
+"""Random numbers on tpu: how a tpu generator's state becomes JAX keys, in one place for every executor.
+
+- Generator state: a tpu `torch.Generator` is a (seed, offset) pair kept in C++ (runtime/TpuGenerator.cpp), like
+  CUDA's Philox state. Each random op call takes one step: it reads (seed, offset) and advances the offset by 1
+  (`draw`, `program_draw`), so runs are reproducible under a seed and get_state/set_state round-trip.
+- Key: `key(seed, offset)` is jax.random.key(seed) folded with the offset's low and then its high 32 bits. It is
+  computed inside the jitted program from (seed, offset) passed as uint64 arguments, so a new draw never
+  recompiles.
+- Eager draws (kernels/creation.py, dropout): each op call draws its own (seed, offset) from the generator it
+  was given (the device's default one otherwise) and its sampler builds `key(seed, offset)`.
+- Traced programs (torch.compile graphs, torch_tpu/_compile.py): each program call draws one (seed, offset) from
+  the device's default generator; the program traces its graph under `trace_random(key(seed, offset))`, and
+  its i-th random lowering (1-based, in graph order) draws from `next_trace_key()` = fold_in(that key, i).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from torch_tpu import _C
+from torch_tpu._jax import jax, jnp
+
+
+def generator_for(generator: torch.Generator | None, t: torch.Tensor) -> torch.Generator:
+    """The generator a random op on tensor `t` draws from: `generator`, or the default one of t's device."""
+    if generator is None:
+        from torch_tpu import device_module
+
+        return device_module.default_generators[t.device.index]
+    if generator.device.type != "tpu":
+        raise RuntimeError(
+            f"Expected a 'tpu' device type for generator but found '{generator.device.type}'"
+        )
+    return generator
+
+
+def draw(generator: torch.Generator | None, t: torch.Tensor) -> tuple[Any, Any]:
+    """One step of the generator of an eager random op on `t`: (seed, offset) as uint64 scalars for its
+    sampler, which makes them a key with `key`."""
+    seed, offset = _C._philox_step(generator_for(generator, t), 1)
+    return jnp.uint64(seed), jnp.uint64(offset)
+
+
+def program_draw(index: int) -> tuple[Any, Any]:
+    """One step of tpu:`index`'s default generator for one call of a traced program: (seed, offset) as host
+    uint64 scalars, passed to the program as its last two arguments."""
+    from torch_tpu import device_module
+
+    seed, offset = _C._philox_step(device_module.default_generators[index], 1)
+    return np.uint64(seed), np.uint64(offset)
+
+
+def key(seed: Any, offset: Any) -> Any:
+    """The JAX key of one generator step (seed, offset), both uint64 (traced or concrete)."""
+    k = jax.random.key(seed)
+    k = jax.random.fold_in(k, (offset & 0xFFFFFFFF).astype(jnp.uint32))
+    return jax.random.fold_in(k, (offset >> 32).astype(jnp.uint32))
+
+
+# ---- key streams of traced programs ----
+
+_trace_rng = threading.local()
+
+
+class trace_random:
+    """`with trace_random(key):` random lowerings traced inside draw from `key` (one fold per random op)."""
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+
+    def __enter__(self) -> None:
+        self.saved = getattr(_trace_rng, "state", None)
+        _trace_rng.state = [self.key, 0]
+
+    def __exit__(self, *exc: Any) -> None:
+        _trace_rng.state = self.saved
+
+
+def next_trace_key() -> Any:
+    """The key of the next random lowering traced under `trace_random`."""
+    state = getattr(_trace_rng, "state", None)
+    if state is None:
+        raise NotImplementedError("a random op traced without a key: the executor must trace it under trace_random")
+    state[1] += 1
+    return jax.random.fold_in(state[0], state[1])
