@@ -83,7 +83,7 @@ def arange_start_out(start: Any, end: Any, step: Any = 1, *, out: torch.Tensor) 
 # ---- random ----
 
 # Generator state -> JAX keys lives in torch_tpu/_rng.py (shared with traced programs); these names are the
-# kernels' (kernels/nn.py's dropout uses _key and _philox).
+# kernels' short names.
 generator_for = _rng.generator_for
 _key = _rng.key
 _philox = _rng.draw

@@ -37,6 +37,23 @@ def test_installed_layout() -> None:
     assert torch_tpu.__version__ == "0.2.0"
 
 
+def test_every_kernel_module_is_installed_and_imported() -> None:
+    """Each module under kernels/, the family packages' (kernels/nn/, kernels/indexing/) included, is in the
+    installed wheel and imported with the kernels: a module its package's __init__.py leaves out registers
+    nothing, silently."""
+    import torch_tpu.kernels
+
+    root = Path(torch_tpu.kernels.__file__).parent
+    sources = sorted(p.relative_to(REPO / "kernels").as_posix() for p in (REPO / "kernels").rglob("*.py"))
+    installed = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py"))
+    assert "nn/__init__.py" in sources and "indexing/__init__.py" in sources
+    assert sources == installed
+    for rel in sources:
+        name = "torch_tpu.kernels." + rel[: -len(".py")].replace("/", ".")
+        name = name[: -len(".__init__")] if name.endswith(".__init__") else name
+        assert name in sys.modules, f"{name} is not imported by torch_tpu.kernels (add it to its package's __init__.py)"
+
+
 def _build(tmp: Path, name: str) -> bytes:
     src = tmp / "src"
     for rel, text in {"torch_tpu/__init__.py": "x = 1\n", "kernels/a.py": "y = 2\n",

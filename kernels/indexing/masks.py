@@ -1,0 +1,90 @@
+"""Masks: masked_fill, masked_scatter, nonzero / nonzero_static and masked_select."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torch_tpu import _runtime
+from torch_tpu._checks import report_bad_index
+from torch_tpu._jax import jnp
+from torch_tpu.kernels.indexing._common import _count_fn, _dtype_name, _nonzero_fn
+from torch_tpu.kernels.registry import lower
+
+
+# ---- masks ----
+
+# C++ type names, as PyTorch prints a mask's dtype in masked_fill's error.
+_CPP_NAMES = {
+    torch.uint8: "unsigned char", torch.int8: "signed char", torch.int16: "short int", torch.int32: "int",
+    torch.int64: "long int", torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16", torch.float32: "float",
+    torch.float64: "double",
+}
+
+
+def _check_mask(mask: Any) -> None:
+    if mask.dtype != jnp.bool_:
+        dtype = _runtime.torch_dtype(mask.dtype)
+        raise RuntimeError(
+            f"masked_fill_ only supports boolean masks, but got mask with dtype {_CPP_NAMES.get(dtype, dtype)}"
+        )
+
+
+@lower("masked_fill.Scalar", "masked_fill.Tensor")
+def masked_fill(self: Any, mask: Any, value: Any) -> Any:
+    _check_mask(mask)
+    if getattr(value, "ndim", 0) != 0:
+        raise RuntimeError(
+            f"masked_fill_ only supports a 0-dimensional value tensor, but got tensor with {value.ndim} dimension(s)."
+        )
+    return jnp.where(mask, jnp.asarray(value).astype(self.dtype), self)
+
+
+@lower("masked_scatter")
+def masked_scatter(self: Any, mask: Any, source: Any) -> Any:
+    if mask.dtype != jnp.bool_:
+        raise RuntimeError(
+            f"masked_scatter_ only supports boolean masks, but got mask with dtype {_dtype_name(mask.dtype)}"
+        )
+    if source.dtype != self.dtype:
+        raise RuntimeError(
+            f"masked_scatter: expected self and source to have same dtypes but got{_dtype_name(self.dtype)} and "
+            f"{_dtype_name(source.dtype)}"
+        )
+    shape = jnp.broadcast_shapes(self.shape, mask.shape)
+    x = jnp.broadcast_to(self, shape)
+    m = jnp.broadcast_to(mask, shape).reshape(-1)
+    src = source.reshape(-1)
+    need = jnp.cumsum(m.astype(jnp.int64)) - 1  # the source element each masked position takes
+    report_bad_index("masked_scatter_", jnp.where(m, need, 0), src.size, error=RuntimeError,
+                     message="{op}(): Number of elements of source < number of ones in mask (source has {size} "
+                     "elements; element {value} was needed)")
+    if src.size == 0:
+        return x
+    pos = jnp.clip(need, 0, src.size - 1)
+    return jnp.where(m, src[pos], x.reshape(-1)).reshape(shape)
+
+
+# ---- nonzero ----
+
+@lower("nonzero", jit=False)
+def nonzero(self: Any) -> Any:
+    return _nonzero_fn(int(_count_fn()(self)))(self, -1)
+
+
+@lower("nonzero_static")
+def nonzero_static(self: Any, size: int, fill_value: int = -1) -> Any:
+    if size < 0:
+        raise RuntimeError(f"nonzero_static: 'size' must be an non-negative integer, but got {size}")
+    return _nonzero_fn(size)(self, fill_value)
+
+
+# ---- selection by mask ----
+
+@lower("masked_select", jit=False)
+def masked_select(self: Any, mask: Any) -> Any:
+    if mask.dtype != jnp.bool_:
+        raise RuntimeError(f"masked_select: expected BoolTensor for mask, got {mask.dtype}")
+    shape = jnp.broadcast_shapes(self.shape, mask.shape)
+    return jnp.broadcast_to(self, shape)[jnp.broadcast_to(mask, shape)]

@@ -1,0 +1,81 @@
+"""Slicing copies (narrow_copy, select_scatter, slice_scatter) and joining (cat)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from torch_tpu._jax import jnp, lax
+from torch_tpu.kernels.indexing._common import _wrap_dim
+from torch_tpu.kernels._promote import result_dtype
+from torch_tpu.kernels.registry import lower
+
+
+# ---- slicing copies ----
+
+@lower("narrow_copy")
+def narrow_copy(self: Any, dim: int, start: int, length: int) -> Any:
+    if self.ndim == 0:
+        raise RuntimeError("narrow() cannot be applied to a 0-dim tensor.")
+    if length < 0:
+        raise RuntimeError("narrow(): length must be non-negative.")
+    dim = _wrap_dim(dim, self.ndim)
+    size = self.shape[dim]
+    if not -size <= start <= size:
+        raise IndexError(f"start out of range (expected to be in range of [{-size}, {size}], but got {start})")
+    start = start % size if start < 0 else start
+    if start + length > size:
+        raise RuntimeError(f"start ({start}) + length ({length}) exceeds dimension size ({size}).")
+    return lax.slice_in_dim(self, start, start + length, axis=dim)
+
+
+@lower("select_scatter")
+def select_scatter(self: Any, src: Any, dim: int, index: int) -> Any:
+    dim = _wrap_dim(dim, self.ndim)
+    size = self.shape[dim]
+    if not -size <= index < size:
+        raise IndexError(f"select(): index {index} out of range for tensor of size {list(self.shape)} at dimension "
+                         f"{dim}")
+    expected = self.shape[:dim] + self.shape[dim + 1:]
+    if tuple(src.shape) != tuple(expected):
+        raise RuntimeError(f"expected src to have a size equal to the slice of self. src size = {list(src.shape)}, "
+                           f"slice size = {list(expected)}")
+    key = (slice(None),) * dim + (index % size,)
+    return self.at[key].set(src.astype(self.dtype))
+
+
+@lower("slice_scatter")
+def slice_scatter(self: Any, src: Any, dim: int = 0, start: int | None = None, end: int | None = None,
+                  step: int = 1) -> Any:
+    if step <= 0:
+        raise RuntimeError("slice step must be positive")
+    dim = _wrap_dim(dim, self.ndim)
+    size = self.shape[dim]
+    lo, hi, _ = slice(start, end, step).indices(size)
+    hi = max(hi, lo)
+    expected = list(self.shape)
+    expected[dim] = len(range(lo, hi, step))
+    if list(src.shape) != expected:
+        raise RuntimeError(f"expected src to have a size equal to the slice of self. src size = {list(src.shape)}, "
+                           f"slice size = {expected}")
+    if expected[dim] == 0:
+        return self
+    key = (slice(None),) * dim + (slice(lo, hi, step),)
+    return self.at[key].set(src.astype(self.dtype))
+
+
+# ---- joining ----
+
+
+@lower("cat")
+def cat(tensors: Sequence[Any], dim: int = 0) -> Any:
+    if len(tensors) == 0:
+        raise RuntimeError("torch.cat(): expected a non-empty list of Tensors")
+    dtype = result_dtype(*tensors)
+    # Legacy behaviour kept by PyTorch: 1-D empty tensors are skipped whatever the other shapes.
+    parts = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)]
+    if not parts:
+        return jnp.zeros((0,), dtype)
+    nd = parts[0].ndim
+    if nd == 0:
+        raise RuntimeError("zero-dimensional tensor (at position 0) cannot be concatenated")
+    return jnp.concatenate([t.astype(dtype) for t in parts], axis=dim % nd)

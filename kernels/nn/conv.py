@@ -1,0 +1,77 @@
+"""Convolution and its backward (the JAX VJP of the forward lowering)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from torch_tpu._jax import jax, jnp, lax
+from torch_tpu.kernels.nn._common import _expand, _is_float, _opmath
+from torch_tpu.kernels.registry import lower
+
+
+# ---- convolution ----
+
+
+def _conv(
+    input: Any, weight: Any, stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
+    transposed: bool, output_padding: Sequence[int], groups: int,
+) -> Any:
+    """Convolution (or transposed convolution) without bias, in the input's opmath dtype."""
+    nd = input.ndim - 2
+    stride, padding, dilation = _expand(stride, nd), _expand(padding, nd), _expand(dilation, nd)
+    output_padding = _expand(output_padding, nd)
+    spatial = "DHW"[3 - nd:] if nd <= 3 else None
+    if spatial is None:
+        raise RuntimeError(f"torch_tpu: convolution over {nd} spatial dims is not supported")
+    dn = lax.conv_dimension_numbers(input.shape, weight.shape, ("NC" + spatial, "OI" + spatial, "NC" + spatial))
+    x, w = _opmath(input), _opmath(weight)
+    precision = lax.Precision.HIGHEST if _is_float(x) else None
+    if not transposed:
+        return lax.conv_general_dilated(
+            x, w, window_strides=stride, padding=[(p, p) for p in padding], rhs_dilation=dilation,
+            dimension_numbers=dn, feature_group_count=groups, precision=precision,
+        )
+    # Transposed: weight is (C_in, C_out / groups, *k). Regroup to (C_out, C_in / groups, *k), flip the
+    # kernel and convolve the stride-dilated input with "full" padding, less `padding`, plus output_padding.
+    c_in, c_out_g, k = w.shape[0], w.shape[1], w.shape[2:]
+    w = w.reshape((groups, c_in // groups, c_out_g) + k).swapaxes(1, 2).reshape((groups * c_out_g, c_in // groups) + k)
+    w = jnp.flip(w, axis=tuple(range(2, 2 + nd)))
+    dn = lax.conv_dimension_numbers(x.shape, w.shape, ("NC" + spatial, "OI" + spatial, "NC" + spatial))
+    pads = [(d * (kk - 1) - p, d * (kk - 1) - p + op) for kk, p, d, op in zip(k, padding, dilation, output_padding)]
+    return lax.conv_general_dilated(
+        x, w, window_strides=(1,) * nd, padding=pads, lhs_dilation=stride, rhs_dilation=dilation,
+        dimension_numbers=dn, feature_group_count=groups, precision=precision,
+    )
+
+
+@lower("convolution")
+def convolution(
+    input: Any, weight: Any, bias: Any, stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
+    transposed: bool, output_padding: Sequence[int], groups: int,
+) -> Any:
+    out = _conv(input, weight, stride, padding, dilation, transposed, output_padding, groups)
+    if bias is not None:
+        out = out + _opmath(bias).reshape((1, -1) + (1,) * (out.ndim - 2))
+    return out.astype(input.dtype)
+
+
+@lower("convolution_backward")
+def convolution_backward(
+    grad_output: Any, input: Any, weight: Any, bias_sizes: Sequence[int] | None, stride: Sequence[int],
+    padding: Sequence[int], dilation: Sequence[int], transposed: bool, output_padding: Sequence[int],
+    groups: int, output_mask: Sequence[bool],
+) -> tuple[Any, Any, Any]:
+    def f(x: Any, w: Any) -> Any:
+        return _conv(x, w, stride, padding, dilation, transposed, output_padding, groups)
+
+    xf, wf = _opmath(input), _opmath(weight)
+    _, vjp = jax.vjp(f, xf, wf)
+    g = _opmath(grad_output)
+    grad_input, grad_weight = vjp(g.astype(jnp.result_type(xf, wf)))
+    n_bias = tuple(bias_sizes)[0] if bias_sizes else grad_output.shape[1]
+    grad_bias = jnp.sum(g, axis=(0,) + tuple(range(2, g.ndim))) if output_mask[2] else jnp.zeros((n_bias,), g.dtype)
+    if not output_mask[0]:
+        grad_input = jnp.zeros_like(xf)
+    if not output_mask[1]:
+        grad_weight = jnp.zeros_like(wf)
+    return grad_input.astype(input.dtype), grad_weight.astype(weight.dtype), grad_bias.astype(grad_output.dtype)

@@ -1,0 +1,25 @@
+"""The embedding's backward (the forward is an index_select)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch_tpu._checks import report_bad_index
+from torch_tpu._jax import jnp
+from torch_tpu.kernels.nn._common import _opmath
+from torch_tpu.kernels.registry import lower
+
+
+@lower("embedding_dense_backward")
+def embedding_dense_backward(
+    grad_output: Any, indices: Any, num_weights: int, padding_idx: int, scale_grad_by_freq: bool,
+) -> Any:
+    dim = grad_output.shape[-1]
+    idx = indices.reshape(-1)
+    report_bad_index("embedding_backward", idx, num_weights)
+    g = _opmath(grad_output).reshape(-1, dim)
+    g = jnp.where((idx == padding_idx)[:, None], 0, g)
+    if scale_grad_by_freq:
+        counts = jnp.zeros((num_weights,), g.dtype).at[idx].add(1)
+        g = g / counts[idx][:, None]
+    return jnp.zeros((num_weights, dim), g.dtype).at[idx].add(g).astype(grad_output.dtype)

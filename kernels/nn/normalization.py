@@ -1,0 +1,276 @@
+"""Normalization: batch norm (direct kernels that update the running statistics), layer norm, group norm
+and their backward ops."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import torch
+
+from torch_tpu import _executor, _runtime, _storage
+from torch_tpu._jax import jnp, lax
+from torch_tpu.kernels.nn._common import _is_low, _opmath
+from torch_tpu.kernels._promote import wrap_arrays, write_outs
+from torch_tpu.kernels.registry import direct, lower
+
+
+# ---- normalization ----
+
+
+def _channel_shape(x: Any) -> tuple[int, ...]:
+    """Shape broadcasting a per-channel (dim 1) vector against x."""
+    return (1, -1) + (1,) * (x.ndim - 2)
+
+
+def _stat_dtype(input: Any, *params: Any) -> Any:
+    """ATen's batch-norm parameter dtype: opmath when parameters and input differ in dtype."""
+    mixed = any(p is not None and p.dtype != input.dtype for p in params)
+    return jnp.float32 if mixed and _is_low(input.dtype) else input.dtype
+
+
+def _batch_norm_math(
+    input: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any, training: bool, momentum: float,
+    eps: float,
+) -> tuple[Any, Any, Any, Any, Any]:
+    """(output, save_mean, save_invstd, new running_mean, new running_var)."""
+    x = _opmath(input)
+    axes = (0,) + tuple(range(2, x.ndim))
+    cs = _channel_shape(x)
+    stat = _stat_dtype(input, weight, bias, running_mean, running_var)
+    new_rm, new_rv = running_mean, running_var
+    if training:
+        n = x.size // x.shape[1] if x.shape[1] else 0
+        mean = jnp.mean(x, axis=axes)
+        var = jnp.mean(jnp.square(x - mean.reshape(cs)), axis=axes)
+        invstd = lax.rsqrt(var + eps)
+        y = (x - mean.reshape(cs)) * invstd.reshape(cs)
+        if running_mean is not None:
+            new_rm = ((1 - momentum) * _opmath(running_mean) + momentum * mean).astype(running_mean.dtype)
+        if running_var is not None:
+            unbiased = var * (n / (n - 1)) if n > 1 else var * jnp.inf
+            new_rv = ((1 - momentum) * _opmath(running_var) + momentum * unbiased).astype(running_var.dtype)
+        save_mean, save_invstd = mean.astype(stat), invstd.astype(stat)
+    else:
+        if running_mean is None or running_var is None:
+            raise RuntimeError("running_mean and running_var must be defined in evaluation mode")
+        invstd = lax.rsqrt(_opmath(running_var) + eps)
+        y = (x - _opmath(running_mean).reshape(cs)) * invstd.reshape(cs)
+        save_mean = save_invstd = jnp.zeros((0,), stat)
+    if weight is not None:
+        y = y * _opmath(weight).reshape(cs)
+    if bias is not None:
+        y = y + _opmath(bias).reshape(cs)
+    return y.astype(input.dtype), save_mean, save_invstd, new_rm, new_rv
+
+
+@functools.lru_cache(maxsize=256)
+def _batch_norm_fn(training: bool, momentum: float, eps: float) -> Any:
+    return _executor.jitted(lambda x, w, b, rm, rv: _batch_norm_math(x, w, b, rm, rv, training, momentum, eps),
+                            key=(training, momentum, eps))
+
+
+def _read(t: torch.Tensor | None, index: int) -> Any:
+    if t is None:
+        return None
+    if t.device.type != "tpu":
+        if t.dim() == 0:
+            return _runtime.upload(t, index)
+        raise RuntimeError(
+            f"Expected all tensors to be on the same device, but found at least two devices, tpu:{index} and "
+            f"{t.device}!"
+        )
+    return _storage.read(t)
+
+
+def _batch_norm_arrays(
+    input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool, momentum: float,
+    eps: float,
+) -> tuple[Any, Any, Any]:
+    """Batch norm's (output, save_mean, save_invstd) arrays; writes the updated running statistics back into
+    their (mutated) buffers."""
+    index = input.device.index
+    arrays = [_read(t, index) for t in (input, weight, bias, running_mean, running_var)]
+    out, mean, invstd, new_rm, new_rv = _batch_norm_fn(bool(training), float(momentum), float(eps))(*arrays)
+    if training:
+        if running_mean is not None:
+            _storage.write(running_mean, new_rm)
+        if running_var is not None:
+            _storage.write(running_var, new_rv)
+    return out, mean, invstd
+
+
+def _batch_norm(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    index = args[0].device.index
+    return wrap_arrays(_batch_norm_arrays(*args), index)
+
+
+@direct("native_batch_norm", "_native_batch_norm_legit", defer=True)
+def native_batch_norm(
+    input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool, momentum: float,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+
+
+@direct("native_batch_norm.out", "_native_batch_norm_legit.out", defer=True)
+def native_batch_norm_out(
+    input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool, momentum: float,
+    eps: float, *, out: torch.Tensor, save_mean: torch.Tensor, save_invstd: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    arrays = _batch_norm_arrays(input, weight, bias, running_mean, running_var, training, momentum, eps)
+    write_outs("native_batch_norm", (out, save_mean, save_invstd), arrays)
+    return out, save_mean, save_invstd
+
+
+@direct("_native_batch_norm_legit.no_stats", defer=True)
+def _native_batch_norm_legit_no_stats(
+    input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, training: bool, momentum: float,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _batch_norm(input, weight, bias, None, None, training, momentum, eps)
+
+
+@direct("_native_batch_norm_legit.no_stats_out", defer=True)
+def _native_batch_norm_legit_no_stats_out(
+    input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, training: bool, momentum: float,
+    eps: float, *, out: torch.Tensor, save_mean: torch.Tensor, save_invstd: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    arrays = _batch_norm_arrays(input, weight, bias, None, None, training, momentum, eps)
+    write_outs("native_batch_norm", (out, save_mean, save_invstd), arrays)
+    return out, save_mean, save_invstd
+
+
+@lower("_native_batch_norm_legit_no_training")
+def _native_batch_norm_legit_no_training(
+    input: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any, momentum: float, eps: float,
+) -> tuple[Any, Any, Any]:
+    return _batch_norm_math(input, weight, bias, running_mean, running_var, False, momentum, eps)[:3]
+
+
+@direct("_batch_norm_with_update", defer=True)
+def _batch_norm_with_update(
+    input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, running_mean: torch.Tensor,
+    running_var: torch.Tensor, momentum: float, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, mean, invstd = _batch_norm(input, weight, bias, running_mean, running_var, True, momentum, eps)
+    return out, mean, invstd, torch.empty((0,), dtype=torch.uint8, device=input.device)
+
+
+@lower("native_batch_norm_backward")
+def native_batch_norm_backward(
+    grad_out: Any, input: Any, weight: Any, running_mean: Any, running_var: Any, save_mean: Any,
+    save_invstd: Any, train: bool, eps: float, output_mask: Sequence[bool],
+) -> tuple[Any, Any, Any]:
+    x, g = _opmath(input), _opmath(grad_out)
+    axes = (0,) + tuple(range(2, x.ndim))
+    cs = _channel_shape(x)
+    if train:
+        mean, invstd = _opmath(save_mean), _opmath(save_invstd)
+    else:
+        mean, invstd = _opmath(running_mean), lax.rsqrt(_opmath(running_var) + eps)
+    w = _opmath(weight) if weight is not None else jnp.ones((x.shape[1],), x.dtype)
+    xhat = (x - mean.reshape(cs)) * invstd.reshape(cs)
+    sum_g = jnp.sum(g, axis=axes)
+    sum_gx = jnp.sum(g * xhat, axis=axes)
+    scale = (invstd * w).reshape(cs)
+    if train:
+        n = x.size // x.shape[1]
+        grad_input = (g - (sum_g / n).reshape(cs) - xhat * (sum_gx / n).reshape(cs)) * scale
+    else:
+        grad_input = g * scale
+    wdtype = weight.dtype if weight is not None else input.dtype
+    return grad_input.astype(input.dtype), sum_gx.astype(wdtype), sum_g.astype(wdtype)
+
+
+@lower("batch_norm_backward")
+def batch_norm_backward(
+    grad_out: Any, input: Any, weight: Any, running_mean: Any, running_var: Any, save_mean: Any, save_var: Any,
+    update: bool, eps: float, output_mask: Sequence[bool], reserve: Any,
+) -> tuple[Any, Any, Any]:
+    """The backward of _batch_norm_with_update / _batch_norm_no_update (save_var holds the saved invstd)."""
+    return native_batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_var,
+                                      update, eps, output_mask)
+
+
+@lower("native_layer_norm")
+def native_layer_norm(input: Any, normalized_shape: Sequence[int], weight: Any, bias: Any, eps: float) -> tuple[Any, Any, Any]:
+    x = _opmath(input)
+    axis = x.ndim - len(normalized_shape)
+    if tuple(x.shape[axis:]) != tuple(normalized_shape) or axis < 0:
+        raise RuntimeError(
+            f"Given normalized_shape={list(normalized_shape)}, expected input with shape "
+            f"[*, {', '.join(map(str, normalized_shape))}], but got input of size{list(input.shape)}"
+        )
+    axes = tuple(range(axis, x.ndim))
+    mean = jnp.mean(x, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
+    rstd = lax.rsqrt(var + eps)
+    y = (x - mean) * rstd
+    if weight is not None:
+        y = y * _opmath(weight)
+    if bias is not None:
+        y = y + _opmath(bias)
+    return y.astype(input.dtype), mean.astype(input.dtype), rstd.astype(input.dtype)
+
+
+@lower("native_layer_norm_backward")
+def native_layer_norm_backward(
+    grad_out: Any, input: Any, normalized_shape: Sequence[int], mean: Any, rstd: Any, weight: Any, bias: Any,
+    output_mask: Sequence[bool],
+) -> tuple[Any, Any, Any]:
+    x, g = _opmath(input), _opmath(grad_out)
+    axis = x.ndim - len(normalized_shape)
+    axes = tuple(range(axis, x.ndim))
+    batch_axes = tuple(range(axis))
+    mean, rstd = _opmath(mean), _opmath(rstd)
+    xhat = (x - mean) * rstd
+    wg = g * _opmath(weight) if weight is not None else g
+    grad_input = rstd * (wg - jnp.mean(wg, axis=axes, keepdims=True) - xhat * jnp.mean(wg * xhat, axis=axes, keepdims=True))
+    grad_weight = jnp.sum(g * xhat, axis=batch_axes)
+    grad_bias = jnp.sum(g, axis=batch_axes)
+    wdtype = weight.dtype if weight is not None else (bias.dtype if bias is not None else input.dtype)
+    return grad_input.astype(input.dtype), grad_weight.astype(wdtype), grad_bias.astype(wdtype)
+
+
+@lower("native_group_norm")
+def native_group_norm(
+    input: Any, weight: Any, bias: Any, N: int, C: int, HxW: int, group: int, eps: float,
+) -> tuple[Any, Any, Any]:
+    if C % group:
+        raise RuntimeError(f"Expected number of channels in input to be divisible by num_groups, but got input of "
+                           f"shape {list(input.shape)} and num_groups={group}")
+    x = _opmath(input)
+    xr = x.reshape(N, group, (C // group) * HxW)
+    mean = jnp.mean(xr, axis=-1)
+    var = jnp.mean(jnp.square(xr - mean[..., None]), axis=-1)
+    rstd = lax.rsqrt(var + eps)
+    y = ((xr - mean[..., None]) * rstd[..., None]).reshape(x.shape)
+    cs = (1, C) + (1,) * (x.ndim - 2)
+    if weight is not None:
+        y = y * _opmath(weight).reshape(cs)
+    if bias is not None:
+        y = y + _opmath(bias).reshape(cs)
+    return y.astype(input.dtype), mean.astype(input.dtype), rstd.astype(input.dtype)
+
+
+@lower("native_group_norm_backward")
+def native_group_norm_backward(
+    grad_out: Any, input: Any, mean: Any, rstd: Any, weight: Any, N: int, C: int, HxW: int, group: int,
+    output_mask: Sequence[bool],
+) -> tuple[Any, Any, Any]:
+    shape = (N, group, C // group, HxW)
+    x, g = _opmath(input).reshape(shape), _opmath(grad_out).reshape(shape)
+    m, r = _opmath(mean)[:, :, None, None], _opmath(rstd)[:, :, None, None]
+    xhat = (x - m) * r
+    wg = g * _opmath(weight).reshape(1, group, C // group, 1) if weight is not None else g
+    grad_input = r * (wg - jnp.mean(wg, axis=(2, 3), keepdims=True)
+                      - xhat * jnp.mean(wg * xhat, axis=(2, 3), keepdims=True))
+    grad_weight = jnp.sum(g * xhat, axis=(0, 3)).reshape(C)
+    grad_bias = jnp.sum(g, axis=(0, 3)).reshape(C)
+    wdtype = weight.dtype if weight is not None else input.dtype
+    return (grad_input.reshape(input.shape).astype(input.dtype), grad_weight.astype(wdtype),
+            grad_bias.astype(wdtype))

@@ -1,0 +1,348 @@
+"""Pooling: max / average / adaptive pooling and their backward ops, max_unpool, im2col / col2im and
+channel_shuffle. Window indices depend only on static shapes and are computed with numpy at trace time."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from torch_tpu._checks import report_bad_index
+from torch_tpu._jax import jax, jnp, lax
+from torch_tpu.kernels.nn._common import _expand, _is_float, _is_low, _lowest, _opmath
+from torch_tpu.kernels.registry import lower
+
+
+# ---- pooling ----
+
+
+def _pool_out_size(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
+    """ATen's pooling_output_shape."""
+    out = (size + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil_mode else 0)) // s + 1
+    if ceil_mode and (out - 1) * s >= size + p:
+        out -= 1
+    return out
+
+
+def _pool_params(
+    name: str, x: Any, nd: int, kernel_size: Sequence[int], stride: Sequence[int], padding: Sequence[int],
+    dilation: Sequence[int], ceil_mode: bool,
+) -> tuple[tuple[int, ...], ...]:
+    """(kernel, stride, padding, dilation, output size) per spatial dim, with ATen's checks."""
+    if x.ndim not in (nd + 1, nd + 2):
+        raise RuntimeError(f"{name}: Expected {nd + 1}D or {nd + 2}D input tensor, but got {x.ndim}D")
+    k = _expand(kernel_size, nd)
+    s = _expand(stride, nd) if len(tuple(stride)) else k
+    p, d = _expand(padding, nd), _expand(dilation, nd)
+    if any(pp > kk // 2 for pp, kk in zip(p, k)):
+        raise RuntimeError(f"pad should be at most half of effective kernel size, but got pad={p[0]}, "
+                           f"kernel_size={k[0]} and dilation={d[0]}")
+    sizes = x.shape[-nd:]
+    out = tuple(_pool_out_size(n, kk, ss, pp, dd, ceil_mode) for n, kk, ss, pp, dd in zip(sizes, k, s, p, d))
+    if any(o <= 0 for o in out):
+        raise RuntimeError(f"Given input size: {tuple(x.shape)}. Calculated output size: {out}. "
+                           "Output size is too small")
+    return k, s, p, d, out
+
+
+def _strided_windows(size: int, out: int, k: int, s: int, p: int, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """Input index (clamped) and validity of each (output position, kernel offset) of a strided window."""
+    idx = np.arange(out)[:, None] * s - p + np.arange(k)[None, :] * d
+    return np.clip(idx, 0, size - 1), (idx >= 0) & (idx < size)
+
+
+def _adaptive_windows(size: int, out: int) -> tuple[np.ndarray, np.ndarray]:
+    """Input index (clamped) and validity of each (output position, offset) of adaptive pooling's windows."""
+    o = np.arange(out)
+    start = (o * size) // out
+    end = -((-(o + 1) * size) // out)
+    kmax = int(np.max(end - start)) if out else 1
+    idx = start[:, None] + np.arange(kmax)[None, :]
+    return np.clip(idx, 0, size - 1), idx < end[:, None]
+
+
+def _gather_windows(x: Any, windows: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[Any, np.ndarray, np.ndarray]:
+    """Gathers windows over x's last len(windows) dims.
+
+    Returns (values of shape (..., *out, K), validity (*out, K), flat input index within the plane (*out, K)),
+    K running over the window in row-major order, as PyTorch's kernels scan it.
+    """
+    nd = len(windows)
+    sizes = x.shape[x.ndim - nd:]
+    index_arrays, valid, flat = [], np.ones((1,) * (2 * nd), bool), np.zeros((1,) * (2 * nd), np.int64)
+    plane_stride = [math.prod(sizes[j + 1:]) for j in range(nd)]
+    for j, (idx, ok) in enumerate(windows):
+        shape = [1] * (2 * nd)
+        shape[2 * j], shape[2 * j + 1] = idx.shape
+        index_arrays.append(jnp.asarray(idx.reshape(shape)))
+        valid = valid & ok.reshape(shape)
+        flat = flat + idx.reshape(shape) * plane_stride[j]
+    vals = x[(Ellipsis, *index_arrays)]  # (..., O0, K0, O1, K1, ...)
+    lead = x.ndim - nd
+    outs = tuple(idx.shape[0] for idx, _ in windows)
+    ks = math.prod(idx.shape[1] for idx, _ in windows)
+    perm = tuple(range(lead)) + tuple(lead + 2 * j for j in range(nd)) + tuple(lead + 2 * j + 1 for j in range(nd))
+    vals = vals.transpose(perm).reshape(x.shape[:lead] + outs + (ks,))
+    grid_perm = tuple(2 * j for j in range(nd)) + tuple(2 * j + 1 for j in range(nd))
+    full = tuple(s for pair in ((idx.shape[0], idx.shape[1]) for idx, _ in windows) for s in pair)
+    valid = np.broadcast_to(valid, full).transpose(grid_perm).reshape(outs + (ks,))
+    flat = np.broadcast_to(flat, full).transpose(grid_perm).reshape(outs + (ks,))
+    return vals, valid, flat
+
+
+def _max_over_windows(x: Any, windows: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[Any, Any]:
+    """(max, flat index of the first max) of each window; NaN wins, as in PyTorch."""
+    vals, valid, flat = _gather_windows(x, windows)
+    vals = jnp.where(jnp.asarray(valid), vals, jnp.asarray(_lowest(x.dtype), x.dtype))
+    arg = jnp.argmax(vals, axis=-1)[..., None]  # numpy semantics: the first NaN, else the first max
+    out = jnp.take_along_axis(vals, arg, axis=-1)[..., 0]
+    index = jnp.take_along_axis(jnp.broadcast_to(jnp.asarray(flat), vals.shape), arg, axis=-1)[..., 0]
+    return out, index
+
+
+def _max_pool(name: str, nd: int) -> Callable[..., tuple[Any, Any]]:
+    def max_pool(
+        self: Any, kernel_size: Sequence[int], stride: Sequence[int] = (), padding: Sequence[int] = (0,),
+        dilation: Sequence[int] = (1,), ceil_mode: bool = False,
+    ) -> tuple[Any, Any]:
+        k, s, p, d, out = _pool_params(name, self, nd, kernel_size, stride, padding, dilation, ceil_mode)
+        sizes = self.shape[-nd:]
+        windows = [_strided_windows(*a) for a in zip(sizes, out, k, s, p, d)]
+        return _max_over_windows(self, windows)
+
+    return max_pool
+
+
+lower("max_pool2d_with_indices")(_max_pool("max_pool2d", 2))
+lower("max_pool3d_with_indices")(_max_pool("max_pool3d", 3))
+
+
+def _max_pool_backward(grad_output: Any, self: Any, indices: Any, nd: int) -> Any:
+    """Scatter-adds grad_output to the recorded flat indices of each input plane."""
+    lead = self.shape[: self.ndim - nd]
+    planes = math.prod(lead)
+    g = _opmath(grad_output).reshape(planes, -1)
+    idx = indices.reshape(planes, -1)
+    grad = jnp.zeros((planes, math.prod(self.shape[self.ndim - nd:])), g.dtype)
+    grad = grad.at[jnp.arange(planes)[:, None], idx].add(g)
+    return grad.reshape(self.shape).astype(self.dtype)
+
+
+@lower("max_pool2d_with_indices_backward")
+def max_pool2d_with_indices_backward(
+    grad_output: Any, self: Any, kernel_size: Any, stride: Any, padding: Any, dilation: Any, ceil_mode: bool,
+    indices: Any,
+) -> Any:
+    return _max_pool_backward(grad_output, self, indices, 2)
+
+
+@lower("max_pool3d_with_indices_backward")
+def max_pool3d_with_indices_backward(
+    grad_output: Any, self: Any, kernel_size: Any, stride: Any, padding: Any, dilation: Any, ceil_mode: bool,
+    indices: Any,
+) -> Any:
+    return _max_pool_backward(grad_output, self, indices, 3)
+
+
+def _avg_pool_forward(
+    x: Any, nd: int, kernel_size: Sequence[int], stride: Sequence[int], padding: Sequence[int], ceil_mode: bool,
+    count_include_pad: bool, divisor_override: int | None,
+) -> Any:
+    """Average pooling in x's opmath dtype (integers: truncating division, as PyTorch's CPU kernel)."""
+    k, s, p, _, out = _pool_params("avg_pool", x, nd, kernel_size, stride, padding, (1,), ceil_mode)
+    if divisor_override is not None and divisor_override == 0:
+        raise RuntimeError("divisor must be not zero")
+    sizes = x.shape[-nd:]
+    lead = x.ndim - nd
+    xo = _opmath(x)
+    # Pad (or trim) so that exactly the windows of `out` fit, then sum each window.
+    pads = [(0, 0, 0)] * lead + [(pp, (o - 1) * ss + kk - n - pp, 0) for n, o, kk, ss, pp in zip(sizes, out, k, s, p)]
+    zero = np.zeros((), xo.dtype)  # a constant init: JAX then knows the window sum (and differentiates it)
+    xp = lax.pad(xo, zero, pads)
+    sums = lax.reduce_window(xp, zero, lax.add, (1,) * lead + k, (1,) * lead + s, "VALID")
+    if divisor_override is not None:
+        divisor = np.asarray(divisor_override)
+    else:
+        divisor = np.ones((1,) * nd, np.int64)
+        for j, (n, o, kk, ss, pp) in enumerate(zip(sizes, out, k, s, p)):
+            start = np.arange(o) * ss - pp
+            end = np.minimum(start + kk, n + pp)
+            count = end - start if count_include_pad else np.minimum(end, n) - np.maximum(start, 0)
+            shape = [1] * nd
+            shape[j] = o
+            divisor = divisor * count.reshape(shape)
+    if _is_float(xo):
+        return sums / jnp.asarray(divisor, xo.dtype)
+    return lax.div(sums, jnp.broadcast_to(jnp.asarray(divisor, xo.dtype), sums.shape))
+
+
+def _avg_pool(nd: int) -> Callable[..., Any]:
+    def avg_pool(
+        self: Any, kernel_size: Sequence[int], stride: Sequence[int] = (), padding: Sequence[int] = (0,),
+        ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: int | None = None,
+    ) -> Any:
+        out = _avg_pool_forward(self, nd, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                                divisor_override)
+        return out.astype(self.dtype)
+
+    return avg_pool
+
+
+def _avg_pool_backward(nd: int) -> Callable[..., Any]:
+    def avg_pool_backward(
+        grad_output: Any, self: Any, kernel_size: Sequence[int], stride: Sequence[int], padding: Sequence[int],
+        ceil_mode: bool, count_include_pad: bool, divisor_override: int | None,
+    ) -> Any:
+        def f(x: Any) -> Any:
+            return _avg_pool_forward(x, nd, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                                     divisor_override)
+
+        _, vjp = jax.vjp(f, _opmath(self))
+        return vjp(_opmath(grad_output))[0].astype(self.dtype)
+
+    return avg_pool_backward
+
+
+lower("avg_pool2d")(_avg_pool(2))
+lower("avg_pool3d")(_avg_pool(3))
+lower("avg_pool2d_backward")(_avg_pool_backward(2))
+lower("avg_pool3d_backward")(_avg_pool_backward(3))
+
+
+def _adaptive_avg(x: Any, output_size: Sequence[int]) -> Any:
+    nd = len(output_size)
+    sizes = x.shape[x.ndim - nd:]
+    windows = [_adaptive_windows(n, o) for n, o in zip(sizes, output_size)]
+    if nd == 3 and _is_low(x.dtype):
+        # PyTorch's CPU 3-D kernel accumulates in the input dtype, in window order, then divides by kT, kH
+        # and kW in turn: reproduce its rounding.
+        vals, valid, _ = _gather_windows(x, windows)
+        total = jnp.zeros(vals.shape[:-1], x.dtype)
+        for k in range(vals.shape[-1]):
+            total = total + jnp.where(jnp.asarray(valid[..., k]), vals[..., k], jnp.zeros((), x.dtype))
+        for j, (_, ok) in enumerate(windows):
+            shape = [1] * nd
+            shape[j] = ok.shape[0]
+            total = (total / jnp.asarray(ok.sum(axis=1).reshape(shape), jnp.float32)).astype(x.dtype)
+        return total
+    vals, valid, _ = _gather_windows(_opmath(x), windows)
+    count = valid.sum(axis=-1)
+    return jnp.sum(jnp.where(jnp.asarray(valid), vals, 0), axis=-1) / jnp.asarray(count, vals.dtype)
+
+
+def _check_adaptive(name: str, x: Any, output_size: Sequence[int]) -> None:
+    nd = len(output_size)
+    if x.ndim not in (nd + 1, nd + 2) or any(n == 0 for n in x.shape[x.ndim - nd:]):
+        raise RuntimeError(f"{name}(): Expected {nd + 1}D or {nd + 2}D tensor, but got {list(x.shape)}")
+
+
+@lower("_adaptive_avg_pool2d", "_adaptive_avg_pool3d")
+def _adaptive_avg_pool(self: Any, output_size: Sequence[int]) -> Any:
+    _check_adaptive("adaptive_avg_pool", self, output_size)
+    return _adaptive_avg(self, output_size).astype(self.dtype)
+
+
+def _adaptive_avg_pool_backward(nd: int) -> Callable[..., Any]:
+    def adaptive_avg_pool_backward(grad_output: Any, self: Any) -> Any:
+        output_size = grad_output.shape[grad_output.ndim - nd:]
+        _, vjp = jax.vjp(lambda x: _adaptive_avg(x, output_size), _opmath(self))
+        return vjp(_opmath(grad_output))[0].astype(self.dtype)
+
+    return adaptive_avg_pool_backward
+
+
+lower("_adaptive_avg_pool2d_backward")(_adaptive_avg_pool_backward(2))
+lower("_adaptive_avg_pool3d_backward")(_adaptive_avg_pool_backward(3))
+
+
+@lower("adaptive_max_pool2d", "adaptive_max_pool3d")
+def adaptive_max_pool(self: Any, output_size: Sequence[int]) -> tuple[Any, Any]:
+    _check_adaptive("adaptive_max_pool", self, output_size)
+    nd = len(output_size)
+    windows = [_adaptive_windows(n, o) for n, o in zip(self.shape[self.ndim - nd:], output_size)]
+    return _max_over_windows(self, windows)
+
+
+@lower("adaptive_max_pool2d_backward")
+def adaptive_max_pool2d_backward(grad_output: Any, self: Any, indices: Any) -> Any:
+    return _max_pool_backward(grad_output, self, indices, 2)
+
+
+@lower("adaptive_max_pool3d_backward")
+def adaptive_max_pool3d_backward(grad_output: Any, self: Any, indices: Any) -> Any:
+    return _max_pool_backward(grad_output, self, indices, 3)
+
+
+def _max_unpool(self: Any, indices: Any, output_size: Sequence[int]) -> Any:
+    """Scatters each plane's values to their flat indices in a zero plane of `output_size`."""
+    nd = len(output_size)
+    if indices.shape != self.shape:
+        raise RuntimeError(f"Expected shape of indices to be same as that of the input tensor "
+                           f"({list(self.shape)}) but got indices tensor with shape: {list(indices.shape)}")
+    lead = self.shape[: self.ndim - nd]
+    planes = math.prod(lead)
+    out = jnp.zeros((planes, math.prod(output_size)), self.dtype)
+    sizes = "x".join(str(s) for s in output_size)
+    report_bad_index(f"max_unpool{nd}d", indices, math.prod(output_size), error=RuntimeError,
+                     message="{op}(): Found an invalid max index: {value} (output volumes are of size " + sizes + ")")
+    out = out.at[jnp.arange(planes)[:, None], indices.reshape(planes, -1)].set(self.reshape(planes, -1))
+    return out.reshape(tuple(lead) + tuple(output_size))
+
+
+@lower("max_unpool2d")
+def max_unpool2d(self: Any, indices: Any, output_size: Sequence[int]) -> Any:
+    return _max_unpool(self, indices, output_size)
+
+
+@lower("max_unpool3d")
+def max_unpool3d(self: Any, indices: Any, output_size: Sequence[int], stride: Sequence[int],
+                 padding: Sequence[int]) -> Any:
+    return _max_unpool(self, indices, output_size)
+
+
+def _im2col(x: Any, kernel_size: Sequence[int], dilation: Sequence[int], padding: Sequence[int],
+            stride: Sequence[int]) -> Any:
+    """(N, C, H, W) or (C, H, W) -> (N, C * kh * kw, L) columns of sliding blocks (zero padding)."""
+    k, d, p, s = _expand(kernel_size, 2), _expand(dilation, 2), _expand(padding, 2), _expand(stride, 2)
+    sizes = x.shape[-2:]
+    out = tuple((n + 2 * pp - dd * (kk - 1) - 1) // ss + 1 for n, kk, dd, pp, ss in zip(sizes, k, d, p, s))
+    if any(o < 1 for o in out):
+        raise RuntimeError(f"Given input with spatial size {tuple(sizes)}, kernel_size={k}, dilation={d}, "
+                           f"padding={p}, calculated shape of the array of sliding blocks as {out}, but its "
+                           "components must be at least one.")
+    windows = [_strided_windows(*a) for a in zip(sizes, out, k, s, p, d)]
+    vals, valid, _ = _gather_windows(x, windows)  # (..., C, oh, ow, K)
+    vals = jnp.where(jnp.asarray(valid), vals, jnp.zeros((), x.dtype))
+    lead = x.shape[:-3]
+    vals = jnp.moveaxis(vals, -1, -3)  # (..., C, K, oh, ow)
+    return vals.reshape(tuple(lead) + (x.shape[-3] * k[0] * k[1], out[0] * out[1]))
+
+
+@lower("im2col")
+def im2col(self: Any, kernel_size: Sequence[int], dilation: Sequence[int], padding: Sequence[int],
+           stride: Sequence[int]) -> Any:
+    return _im2col(self, kernel_size, dilation, padding, stride)
+
+
+@lower("col2im")
+def col2im(self: Any, output_size: Sequence[int], kernel_size: Sequence[int], dilation: Sequence[int],
+           padding: Sequence[int], stride: Sequence[int]) -> Any:
+    """Sums columns of sliding blocks back into an image: the adjoint of im2col."""
+    k = _expand(kernel_size, 2)
+    channels = self.shape[-2] // (k[0] * k[1])
+    shape = tuple(self.shape[:-2]) + (channels,) + tuple(output_size)
+    x = _opmath(self)
+    _, vjp = jax.vjp(lambda img: _im2col(img, kernel_size, dilation, padding, stride), jnp.zeros(shape, x.dtype))
+    return vjp(x)[0].astype(self.dtype)
+
+
+@lower("channel_shuffle")
+def channel_shuffle(self: Any, groups: int) -> Any:
+    if groups <= 0:
+        raise RuntimeError(f"Number of groups to divide channels in must be positive. Value of groups:{groups}")
+    n, c = self.shape[0], self.shape[1]
+    if c % groups:
+        raise RuntimeError(f"Number of channels must be divisible by groups. Got {c} channels and {groups} groups.")
+    rest = self.shape[2:]
+    return self.reshape((n, groups, c // groups) + rest).swapaxes(1, 2).reshape(self.shape)
