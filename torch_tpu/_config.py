@@ -139,6 +139,9 @@ class Var:
     default_text: str = ""  # the docs' text for the default when it is not just repr-able (None: computed)
 
 
+# Every value accepted before this table existed is still accepted with its meaning. Where files disagreed the
+# documented meaning won: all booleans take the same spellings (TORCH_TPU_DIST_CHECKS=no used to mean on,
+# TORCH_TPU_DIST_EARLY_INIT took only 0), and a value that is none of them (once silently "on") is an error.
 VARIABLES: tuple[Var, ...] = (
     Var("TORCH_TPU_PLATFORM", one_of("cpu", "tpu", "cuda"), None,
         "force a PJRT platform (cuda: a test convenience)", "the TPU when libtpu finds one, else XLA:CPU"),
