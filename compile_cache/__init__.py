@@ -40,6 +40,8 @@ import time
 import warnings
 from typing import Any
 
+from torch_tpu import _config
+
 __all__ = ["CompileCacheWarning", "CompileCacheError", "CacheStats", "DiskCache", "cache_dir", "enabled", "stats",
            "clear", "prune", "install", "max_bytes"]
 
@@ -67,35 +69,20 @@ class CompileCacheError(RuntimeError):
     """`clear` or `prune` could not do their work: the directory is not a folder, or files cannot be removed."""
 
 
-_ON = ("", "1", "true", "on", "yes")
-_OFF = ("0", "false", "off", "no")
-
-
 def enabled() -> bool:
-    raw = os.environ.get("TORCH_TPU_CACHE", "").strip().lower()
-    if raw not in _ON + _OFF:
-        raise RuntimeError(f"TORCH_TPU_CACHE={raw!r} is not understood: use 0 (or false, off, no) to turn the "
-                           "compile cache off, or 1 (or true, on, yes, unset) to keep it on.")
-    return raw not in _OFF
+    return _config.get("TORCH_TPU_CACHE")
 
 
 def cache_dir() -> str:
-    d = os.environ.get("TORCH_TPU_CACHE_DIR")
+    d = _config.get("TORCH_TPU_CACHE_DIR")
     if d:
-        return os.path.abspath(os.path.expanduser(d))
+        return d
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "torch_tpu", "xla")
 
 
 def max_bytes() -> int:
-    raw = os.environ.get("TORCH_TPU_CACHE_MAX_BYTES", "").strip()
-    if not raw:
-        return 4 << 30
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(raw[-1].upper(), 1)
-    try:
-        return int(float(raw[:-1] if mult > 1 else raw) * mult)
-    except ValueError:
-        raise RuntimeError(f"TORCH_TPU_CACHE_MAX_BYTES={raw!r} is not a size (e.g. 4G, 512M, 1000000)") from None
+    return _config.get("TORCH_TPU_CACHE_MAX_BYTES")
 
 
 def _versions() -> str:
@@ -488,16 +475,16 @@ def _source_hash() -> str:
     if not _SOURCE_HASH:
         import torch_tpu
 
-        root = os.path.dirname(os.path.abspath(torch_tpu.__file__))
         h = hashlib.sha256()
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames.sort()
-            for name in sorted(filenames):
-                if name.endswith(".py"):
-                    path = os.path.join(dirpath, name)
-                    h.update(os.path.relpath(path, root).encode())
-                    with open(path, "rb") as f:
-                        h.update(f.read())
+        for root, inside in torch_tpu._SOURCE_FOLDERS:  # the package, and in the source tree its components
+            for dirpath, dirnames, filenames in os.walk(root):
+                dirnames.sort()
+                for name in sorted(filenames):
+                    if name.endswith(".py"):
+                        path = os.path.join(dirpath, name)
+                        h.update(os.path.join(inside, os.path.relpath(path, root)).encode())
+                        with open(path, "rb") as f:
+                            h.update(f.read())
         _SOURCE_HASH.append(h.hexdigest())
     return _SOURCE_HASH[0]
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from torch_tpu import _config
+
 _lock = threading.RLock()
 
 
@@ -131,7 +133,7 @@ def _start_jax_distributed(store: Any, rank: int, size: int, timeout_s: float) -
 
     # XLA:CPU runs cross-process collectives over gloo; the setting only affects the CPU backend.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if not os.environ.get("TORCH_TPU_NUM_DEVICES"):
+    if not _config.get("TORCH_TPU_NUM_DEVICES"):
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         if local_world > 1:
             jax.config.update("jax_num_cpu_devices", local_world)
@@ -152,7 +154,7 @@ def _launcher_world() -> tuple[int, int, str, int, str] | None:
     """(size, rank, host, port, key prefix) when torchrun started this process (its agent hosts the c10d store at
     MASTER_ADDR:MASTER_PORT for every worker) with WORLD_SIZE > 1, unless TORCH_TPU_DIST_EARLY_INIT=0."""
     env = os.environ
-    if env.get("TORCH_TPU_DIST_EARLY_INIT", "1") == "0" or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if not _config.get("TORCH_TPU_DIST_EARLY_INIT") or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     try:
         size, rank = int(env["WORLD_SIZE"]), int(env["RANK"])

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torch_tpu import _executor, _runtime, _storage
+from torch_tpu import _config, _executor, _runtime, _storage
 from torch_tpu._jax import jnp
 from torch_tpu.distributed import _programs, _world
 
@@ -188,7 +188,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._channels: dict[int, _Worker] = {}  # send/recv: one channel per peer
         self._mailbox: dict[int, list[Any]] = {}  # payloads a peer sent in a swap, waiting for their recv
         self.is_default = False
-        self._checks = os.environ.get("TORCH_TPU_DIST_CHECKS", "1").strip().lower() not in ("0", "false", "off")
+        self._checks = _config.get("TORCH_TPU_DIST_CHECKS")
 
     # This one object is both the process group and its tpu backend (c10d asks the group for its backend by
     # device, e.g. when init_process_group gets device_id=).

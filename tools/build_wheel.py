@@ -1,8 +1,9 @@
 """Writes the torch_tpu wheel from the monorepo's sources, byte-for-byte reproducibly.
 
 Each input path is mapped by the layout rule of DESIGN.md: `torch_tpu/x` -> `torch_tpu/x`,
-`runtime/_C.so` -> `torch_tpu/_C.so`, `<component>/x` -> `torch_tpu/<component>/x`. Entries are sorted and
-carry a fixed timestamp and mode, so the same sources give the same bytes.
+`runtime/_C.so` -> `torch_tpu/_C.so` (and the hash of its sources, `runtime/_C.sources.sha256`, beside it),
+`<component>/x` -> `torch_tpu/<component>/x`. Entries are sorted and carry a fixed timestamp and mode, so the
+same sources give the same bytes.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ def archive_path(src: str) -> str | None:
     path = re.sub(r"^bazel-out/[^/]+/bin/", "", src)
     if path == "README.md":
         return None
-    if path == "runtime/_C.so":
-        return f"{NAME}/_C.so"
+    if path in ("runtime/_C.so", "runtime/_C.sources.sha256"):
+        return f"{NAME}/{path.split('/', 1)[1]}"
     top = path.split("/", 1)[0]
     if top == NAME:
         return path

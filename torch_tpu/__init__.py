@@ -17,18 +17,24 @@ def _autoload() -> None:
     running: the rest of this module then finishes the set-up."""
 
 
+# (folder, path inside the wheel) of each Python source folder: the package itself in the wheel; from the
+# source tree (`import torch` at the repository root), also the component folders it maps (_source_tree).
+_SOURCE_FOLDERS = [(os.path.dirname(os.path.abspath(__file__)), "")]
+if not os.path.isdir(os.path.join(_SOURCE_FOLDERS[0][0], "kernels")):
+    from torch_tpu import _source_tree
+
+    if _source_tree.is_source_tree(_SOURCE_FOLDERS[0][0]):
+        _SOURCE_FOLDERS = _source_tree.install(_SOURCE_FOLDERS[0][0])
+
 import torch  # noqa: E402
 
 from torch_tpu import _C  # the C++ runtime: allocator, guard, hooks, generator, metadata kernels
 
 __version__ = "0.2.0"
 
-_FALLBACK_MODES = {"": 0, "0": 0, "strict": 0, "off": 0, "warn": 1, "1": 1}
-
 
 def _setup() -> None:
-    from torch_tpu import (_config, _deferred, _eager, _metrics, _programs, _runtime, _storage, compile_cache,
-                           device_module)
+    from torch_tpu import _config, _deferred, _eager, _programs, _runtime, _storage, device_module
 
     torch.utils.rename_privateuse1_backend("tpu")
     torch._register_device_module("tpu", device_module)
@@ -39,22 +45,7 @@ def _setup() -> None:
     _eager.install()  # the table's lowerings (torch_tpu.kernels) as PrivateUse1 kernels
     _C._set_resolver(_deferred.resolve)  # the storage accessors' placeholder contract (runtime/TpuPython.cpp)
     _programs.register_cache(_deferred.drop_programs)  # the program collector drops the fused programs too
-    # A bad TORCH_TPU_* value must not break `import torch`: it is raised at the first tpu use (_config).
-    try:
-        _deferred.mode_from_env()
-    except RuntimeError as e:
-        _config.defer("TORCH_TPU_EAGER_MODE", str(e))
-    for name, parse in (("TORCH_TPU_CACHE", compile_cache.enabled),
-                        ("TORCH_TPU_CACHE_MAX_BYTES", compile_cache.max_bytes),
-                        ("TORCH_TPU_RECOMPILE_WARN", _metrics._threshold)):
-        try:
-            parse()  # read again where used; checked here so that a bad value stops the first tpu use
-        except RuntimeError as e:
-            _config.defer(name, str(e))
-    # Parsed again by _runtime when it starts; checked here too so that torch.tpu.is_available() raises for them
-    # instead of answering False (a `"tpu" if is_available() else "cpu"` script would silently run on CPU).
-    _config.read("TORCH_TPU_NUM_DEVICES", _config.positive_int, None)
-    _config.read("TORCH_TPU_PLATFORM", _config.one_of(*_runtime.PLATFORMS), None)
+    _deferred.mode_from_env()
     # torch.compile: Dynamo must run the Python kernels above as plain Python, never trace them.
     from torch_tpu import _dynamo_skip
 
@@ -71,15 +62,11 @@ def _setup() -> None:
 
     distributed.register()
 
-    mode = os.environ.get("TORCH_TPU_CPU_FALLBACK", "").strip().lower()
-    if mode not in _FALLBACK_MODES:
-        _config.defer(
-            "TORCH_TPU_CPU_FALLBACK",
-            f"TORCH_TPU_CPU_FALLBACK={mode!r} is not understood: use 'warn' (or 1) to run ops without a tpu kernel "
-            "on CPU (warning once per op), or 'strict' (or 0, off, unset) for the strict default.",
-        )
-        mode = ""
-    _C._set_fallback_mode(_FALLBACK_MODES[mode])
+    _C._set_fallback_mode(_config.get("TORCH_TPU_CPU_FALLBACK"))
+    # A bad TORCH_TPU_* value must not break `import torch`: every variable is parsed now (reads above gave the
+    # default) and a bad one is raised at the first tpu use and by torch.tpu.is_available() (instead of
+    # answering False: a `"tpu" if is_available() else "cpu"` script would silently run on CPU). See _config.
+    _config.load()
 
 
 _setup()

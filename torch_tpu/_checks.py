@@ -23,13 +23,13 @@ measure their cost (tools/bench.py); out-of-range indices then give unspecified 
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any, Callable
 
+from torch_tpu import _config
 from torch_tpu._jax import jax, jnp
 
-enabled = os.environ.get("TORCH_TPU_INDEX_CHECKS", "1").strip().lower() not in ("0", "false", "off", "no")
+enabled = _config.get("TORCH_TPU_INDEX_CHECKS")
 _MAX_PENDING = 256
 
 _tls = threading.local()  # .found: the collector (dict) of the trace being built on this thread, or None

@@ -32,7 +32,6 @@ import functools
 import itertools
 import math
 import operator
-import os
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -199,8 +198,9 @@ _GRAPH_IDS = itertools.count()
 
 
 def _options(options: dict[str, Any] | None) -> dict[str, Any]:
-    opts = {"dump_dir": os.environ.get("TORCH_TPU_DUMP_DIR") or None,
-            "fallback": os.environ.get("TORCH_TPU_COMPILE_FALLBACK", "").strip().lower() or None}
+    from torch_tpu import _config
+
+    opts = {"dump_dir": _config.get("TORCH_TPU_DUMP_DIR"), "fallback": _config.get("TORCH_TPU_COMPILE_FALLBACK")}
     for k, v in (options or {}).items():
         if k not in opts:
             raise ValueError(f"torch.compile(backend='tpu'): unknown option {k!r}; known: {', '.join(opts)}")

@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import enum
 import itertools
-import os
 import sys
 import threading
 import weakref
@@ -123,7 +122,9 @@ def set_mode(value: Any) -> None:
 
 
 def mode_from_env() -> None:
-    value = os.environ.get("TORCH_TPU_EAGER_MODE", "").strip()
+    from torch_tpu import _config
+
+    value = _config.get("TORCH_TPU_EAGER_MODE")
     if value:
         try:
             set_default_mode(value)
@@ -239,15 +240,14 @@ _fused: collections.OrderedDict[tuple, Callable[..., Any]] = collections.Ordered
 _SCALARS = (bool, int, float, complex)
 
 
-def _env_count(name: str, default: int) -> int:
-    """A positive count from the environment (the default when unset; a bad value raises at the first tpu use)."""
+def _env_count(name: str) -> int:
     from torch_tpu import _config
 
-    return _config.read(name, _config.positive_int, default)
+    return _config.get(name)
 
 
-_MAX_OPS = _env_count("TORCH_TPU_FUSE_MAX_OPS", 1000)
-_FUSED_CAP = _env_count("TORCH_TPU_FUSE_CACHE", 512)
+_MAX_OPS = _env_count("TORCH_TPU_FUSE_MAX_OPS")
+_FUSED_CAP = _env_count("TORCH_TPU_FUSE_CACHE")
 
 
 def _graph(index: int) -> _Graph:

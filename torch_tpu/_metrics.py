@@ -144,17 +144,13 @@ def _skip_dirs() -> tuple[str, ...]:
         os.path.dirname(os.path.abspath(m.__file__)) + os.sep
         for m in (sys.modules.get("torch"), sys.modules.get("jax"), sys.modules.get("jaxlib"))
         if m is not None and getattr(m, "__file__", None)
-    ) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+    ) + tuple(folder + os.sep for folder, _ in sys.modules["torch_tpu"]._SOURCE_FOLDERS)
 
 
 def _threshold() -> int:
-    raw = os.environ.get("TORCH_TPU_RECOMPILE_WARN", "").strip()
-    try:
-        return int(raw) if raw else 8
-    except ValueError:
-        raise RuntimeError(f"torch_tpu: TORCH_TPU_RECOMPILE_WARN={raw!r} is not valid: use how many different "
-                           "shapes a call site may compile before it warns (e.g. 8; 0 turns the warning off), or "
-                           "unset it.") from None
+    from torch_tpu import _config
+
+    return _config.get("TORCH_TPU_RECOMPILE_WARN")
 
 
 def _shapes(values: Any) -> list[Any]:

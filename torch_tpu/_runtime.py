@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from torch_tpu import _config
+
 _lock = threading.RLock()
 _configured = False
 _devices: list[Any] | None = None
@@ -39,14 +41,8 @@ def configure_jax() -> None:
 
         # int64 and float64 tensors need JAX's x64 mode.
         jax.config.update("jax_enable_x64", True)
-        n = os.environ.get("TORCH_TPU_NUM_DEVICES")
-        if n:
-            try:
-                count = int(n)
-            except ValueError:
-                raise RuntimeError(f"torch_tpu: TORCH_TPU_NUM_DEVICES={n!r} is not an integer") from None
-            if count < 1:
-                raise RuntimeError(f"torch_tpu: TORCH_TPU_NUM_DEVICES={n!r} must be at least 1")
+        count = _config.get("TORCH_TPU_NUM_DEVICES")
+        if count:
             jax.config.update("jax_num_cpu_devices", count)
         _configured = True
 
@@ -54,7 +50,7 @@ def configure_jax() -> None:
 def _pick_devices() -> tuple[str, list[Any]]:
     import jax
 
-    forced = os.environ.get("TORCH_TPU_PLATFORM", "").strip().lower()
+    forced = _config.get("TORCH_TPU_PLATFORM")
     if forced:
         if forced not in PLATFORMS:
             raise RuntimeError(
@@ -72,7 +68,7 @@ def _pick_devices() -> tuple[str, list[Any]]:
             raise RuntimeError(f"TORCH_TPU_PLATFORM={forced} but JAX found no {forced} devices ({e}). {hint}") from e
         return forced, devs
     # This process's devices: with jax.distributed (torch_tpu.distributed) jax.devices() spans all processes.
-    if os.environ.get("TORCH_TPU_NUM_DEVICES"):
+    if _config.get("TORCH_TPU_NUM_DEVICES"):
         return "cpu", jax.local_devices(backend="cpu")
     try:
         return "tpu", jax.local_devices(backend="tpu")
