@@ -1,4 +1,5 @@
-"""The embedding's backward (the forward is an index_select)."""
+"""The embedding's backward. The forward has no eager kernel (ATen's composite calls index_select); graph
+executors use its trace-only lowering in kernels/views.py."""
 
 from __future__ import annotations
 
