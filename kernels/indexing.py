@@ -201,7 +201,7 @@ def _index_put_fn(pattern: tuple[bool, ...], accumulate: bool) -> Callable[..., 
     return jax.jit(f)
 
 
-@lower("index.Tensor", jit=False, cpu_tensors=True)
+@lower("index.Tensor", jit=False, cpu_tensors=True, checks=True)
 def index(self: Any, indices: Sequence[Any]) -> Any:
     idx, shape = _expand_indices(tuple(self.shape), indices, "index")
     x = self.reshape(shape) if shape != tuple(self.shape) else self
@@ -238,12 +238,12 @@ def _index_put(self: Any, indices: Sequence[Any], values: Any, accumulate: bool)
     return out if x is self else out.reshape(self.shape)
 
 
-@lower("index_put", jit=False, cpu_tensors=True)
+@lower("index_put", jit=False, cpu_tensors=True, checks=True)
 def index_put(self: Any, indices: Sequence[Any], values: Any, accumulate: bool = False) -> Any:
     return _index_put(self, indices, values, accumulate)
 
 
-@lower("_index_put_impl", jit=False, cpu_tensors=True)
+@lower("_index_put_impl", jit=False, cpu_tensors=True, checks=True)
 def _index_put_impl(
     self: Any, indices: Sequence[Any], values: Any, accumulate: bool = False, unsafe: bool = False
 ) -> Any:
@@ -297,7 +297,7 @@ def _region(src: Any, shape: tuple[int, ...]) -> Any:
     return src[tuple(slice(0, s) for s in shape)]
 
 
-@lower("gather")
+@lower("gather", checks=True)
 def gather(self: Any, dim: int, index: Any, sparse_grad: bool = False) -> Any:
     if index.size == 0:  # PyTorch checks nothing for an empty index
         return jnp.zeros(index.shape, self.dtype)
@@ -354,39 +354,39 @@ def _scatter_reduce_name(reduce: str) -> str:
     return _SCATTER_REDUCE[reduce]
 
 
-@lower("scatter.src")
+@lower("scatter.src", checks=True)
 def scatter_src(self: Any, dim: int, index: Any, src: Any) -> Any:
     _check_index_dims("scatter", self, dim, index, src)
     return _scatter("scatter", self, dim, index, src, "set")
 
 
-@lower("scatter.value")
+@lower("scatter.value", checks=True)
 def scatter_value(self: Any, dim: int, index: Any, value: Any) -> Any:
     _check_index_dims("scatter", self, dim, index)
     return _scatter("scatter", self, dim, index, jnp.asarray(value).astype(self.dtype), "set",
                     src_is_tensor=False)
 
 
-@lower("scatter.reduce")
+@lower("scatter.reduce", checks=True)
 def scatter_reduce_src(self: Any, dim: int, index: Any, src: Any, reduce: str) -> Any:
     _check_index_dims("scatter", self, dim, index, src)
     return _scatter("scatter", self, dim, index, src, _scatter_reduce_name(reduce))
 
 
-@lower("scatter.value_reduce")
+@lower("scatter.value_reduce", checks=True)
 def scatter_value_reduce(self: Any, dim: int, index: Any, value: Any, reduce: str) -> Any:
     _check_index_dims("scatter", self, dim, index)
     return _scatter("scatter", self, dim, index, jnp.asarray(value).astype(self.dtype),
                     _scatter_reduce_name(reduce), src_is_tensor=False)
 
 
-@lower("scatter_add")
+@lower("scatter_add", checks=True)
 def scatter_add(self: Any, dim: int, index: Any, src: Any) -> Any:
     _check_index_dims("scatter_add", self, dim, index, src)
     return _scatter("scatter_add", self, dim, index, src, "sum")
 
 
-@lower("scatter_reduce.two")
+@lower("scatter_reduce.two", checks=True)
 def scatter_reduce(self: Any, dim: int, index: Any, src: Any, reduce: str, include_self: bool = True) -> Any:
     _check_index_dims("scatter_reduce", self, dim, index, src)
     if reduce not in ("sum", "prod", "mean", "amax", "amin"):
@@ -418,7 +418,7 @@ def _source_slices(source: Any, dim: int, dtype: Any) -> Any:
     return jnp.moveaxis(_nonempty(source), dim, 0).astype(dtype)
 
 
-@lower("index_select")
+@lower("index_select", checks=True)
 def index_select(self: Any, dim: int, index: Any) -> Any:
     if index.dtype not in (jnp.int64, jnp.int32):
         raise RuntimeError("index_select(): Expected dtype int32 or int64 for index")
@@ -435,7 +435,7 @@ def index_select(self: Any, dim: int, index: Any) -> Any:
     return jnp.take(self, index.reshape(-1), axis=dim, mode="clip")
 
 
-@lower("index_add")
+@lower("index_add", checks=True)
 def index_add(self: Any, dim: int, index: Any, source: Any, alpha: Any = 1) -> Any:
     _check_index_vector("index_add_", index)
     if source.dtype != self.dtype:
@@ -449,7 +449,7 @@ def index_add(self: Any, dim: int, index: Any, source: Any, alpha: Any = 1) -> A
     return _along(self, dim, index, src, "sum")
 
 
-@lower("index_copy")
+@lower("index_copy", checks=True)
 def index_copy(self: Any, dim: int, index: Any, source: Any) -> Any:
     if index.ndim > 1:
         raise IndexError("index_copy_(): Index should have dimension 1 or 0 (got %d)" % index.ndim)
@@ -465,7 +465,7 @@ def index_copy(self: Any, dim: int, index: Any, source: Any) -> Any:
     return _along(self, dim, index, _source_slices(source, dim, self.dtype), "set")
 
 
-@lower("index_fill.int_Scalar", "index_fill.int_Tensor")
+@lower("index_fill.int_Scalar", "index_fill.int_Tensor", checks=True)
 def index_fill(self: Any, dim: int, index: Any, value: Any) -> Any:
     if getattr(value, "ndim", 0) != 0:
         raise RuntimeError(
@@ -480,7 +480,7 @@ def index_fill(self: Any, dim: int, index: Any, value: Any) -> Any:
     return _along(self, dim, index, jnp.asarray(value).astype(self.dtype), "set")
 
 
-@lower("index_reduce")
+@lower("index_reduce", checks=True)
 def index_reduce(self: Any, dim: int, index: Any, source: Any, reduce: str, include_self: bool = True) -> Any:
     if reduce not in ("prod", "mean", "amax", "amin"):
         raise RuntimeError(f"index_reduce(): Expected reduce to be one of prod, mean, amax or amin but got {reduce}.")
@@ -534,7 +534,7 @@ def masked_fill(self: Any, mask: Any, value: Any) -> Any:
     return jnp.where(mask, jnp.asarray(value).astype(self.dtype), self)
 
 
-@lower("masked_scatter")
+@lower("masked_scatter", checks=True)
 def masked_scatter(self: Any, mask: Any, source: Any) -> Any:
     if mask.dtype != jnp.bool_:
         raise RuntimeError(
@@ -598,7 +598,7 @@ def _flat_index(index: Any, n: int) -> Any:
     return jnp.where(index < 0, index + n, index)
 
 
-@lower("take")
+@lower("take", checks=True)
 def take(self: Any, index: Any) -> Any:
     if index.dtype != jnp.int64:
         raise RuntimeError(f"take(): Expected a long tensor for index, but got {_dtype_name(index.dtype)}")
@@ -609,7 +609,7 @@ def take(self: Any, index: Any) -> Any:
     return jnp.take(flat, _flat_index(index, flat.size), mode="clip")
 
 
-@lower("put")
+@lower("put", checks=True)
 def put(self: Any, index: Any, source: Any, accumulate: bool = False) -> Any:
     if index.dtype != jnp.int64:
         raise RuntimeError(f"put_(): Expected a long tensor for index, but got {_dtype_name(index.dtype)}")

@@ -416,12 +416,12 @@ def _max_unpool(self: Any, indices: Any, output_size: Sequence[int]) -> Any:
     return out.reshape(tuple(lead) + tuple(output_size))
 
 
-@lower("max_unpool2d")
+@lower("max_unpool2d", checks=True)
 def max_unpool2d(self: Any, indices: Any, output_size: Sequence[int]) -> Any:
     return _max_unpool(self, indices, output_size)
 
 
-@lower("max_unpool3d")
+@lower("max_unpool3d", checks=True)
 def max_unpool3d(self: Any, indices: Any, output_size: Sequence[int], stride: Sequence[int],
                  padding: Sequence[int]) -> Any:
     return _max_unpool(self, indices, output_size)
@@ -1073,13 +1073,13 @@ def _nll_forward(self: Any, target: Any, weight: Any, reduction: int, ignore_ind
     return out.astype(self.dtype), total.astype(self.dtype)
 
 
-@lower("nll_loss_forward")
+@lower("nll_loss_forward", checks=True)
 def nll_loss_forward(self: Any, target: Any, weight: Any, reduction: int, ignore_index: int) -> tuple[Any, Any]:
     _check_nll(self, target, weight, spatial=False)
     return _nll_forward(self, target, weight, reduction, ignore_index)
 
 
-@lower("nll_loss2d_forward")
+@lower("nll_loss2d_forward", checks=True)
 def nll_loss2d_forward(self: Any, target: Any, weight: Any, reduction: int, ignore_index: int) -> tuple[Any, Any]:
     _check_nll(self, target, weight, spatial=True)
     return _nll_forward(self, target, weight, reduction, ignore_index)
@@ -1203,7 +1203,7 @@ def _multi_margin_terms(self: Any, target: Any, p: Any, margin: Any, weight: Any
     return x, z, w, onehot
 
 
-@lower("multi_margin_loss")
+@lower("multi_margin_loss", checks=True)
 def multi_margin_loss(self: Any, target: Any, p: Any = 1, margin: Any = 1, weight: Any = None,
                       reduction: int = 1) -> Any:
     report_bad_index("multi_margin_loss", target, self.shape[-1] if self.ndim else 1, error=RuntimeError,
@@ -1226,7 +1226,7 @@ def multi_margin_loss_backward(grad_output: Any, self: Any, target: Any, p: Any,
     return (grad * g).reshape(self.shape).astype(self.dtype)
 
 
-@lower("embedding_dense_backward")
+@lower("embedding_dense_backward", checks=True)
 def embedding_dense_backward(
     grad_output: Any, indices: Any, num_weights: int, padding_idx: int, scale_grad_by_freq: bool,
 ) -> Any:

@@ -60,6 +60,10 @@ class Lowering:
     # Trace-only: read by graph executors (torch.compile) but not installed as an eager PrivateUse1 kernel (view
     # and metadata ops are C++ metadata kernels eagerly; composites like clone/full reach eager kernels anyway).
     trace_only: bool = False
+    # The lowering reports value-dependent index checks (torch_tpu._checks.report_bad_index) while it is traced:
+    # its eager programs run through _checks.jit, which collects them. Without it, eager calls run the bare
+    # jax.jit callable, and a report from an undeclared lowering fails its trace (a check is never dropped).
+    checks: bool = False
 
 
 LOWERINGS: dict[str, Lowering] = {}
@@ -79,13 +83,14 @@ def lower(
     cpu_tensors: bool = False,
     broadcasts: bool = True,
     trace_only: bool = False,
+    checks: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         for name in names:
             if name in LOWERINGS or name in DIRECT:
                 raise RuntimeError(f"torch_tpu: aten::{name} is registered twice")
             LOWERINGS[name] = Lowering(name, fn, promote, tuple(promote_args), jit, variants, cpu_tensors,
-                                       broadcasts, trace_only)
+                                       broadcasts, trace_only, checks)
         return fn
 
     return deco
@@ -216,6 +221,8 @@ class OpKernel:
         ]
         # Fast path: every argument positional, tensors and scalars only.
         self.simple = all(k in (TENSOR, SCALAR) for k in self.kinds)
+        # The C++ kernels installed for the functional (False) and in-place (True) forms: handles of their tables.
+        self._eager_handles: dict[bool, int] = {}
 
     # -- argument binding --
     def bind(self, args: tuple, kwargs: dict) -> list:
@@ -332,9 +339,10 @@ class OpKernel:
             if not self.lowering.jit:
                 fn = _checks.eager(run)
             elif has_arrays:
-                fn = _checks.jit(run)
+                fn = _jit(self.lowering, run)
             else:  # nothing to follow: place the result on the op's device
-                fn = _checks.jit(run, out_shardings=jax.sharding.SingleDeviceSharding(_runtime.device(index)))
+                fn = _jit(self.lowering, run,
+                          out_shardings=jax.sharding.SingleDeviceSharding(_runtime.device(index)))
             self._jits[key] = fn
         return index, fn(*dyn)
 
@@ -391,18 +399,25 @@ class OpKernel:
         if key in table:
             return
         _, dyn, static, _ = self.prepare(vals)
-        out_dtype = None if inplace_dtype is None else _runtime.jax_dtype(inplace_dtype)
-        run = self._traced(static, out_dtype)
+        run = self._traced(static, None)
         tail = tuple(dyn[n:])
+        name = self.name
 
         def given_args(*given: Any) -> Any:
-            return run(*given, *tail)
+            out = run(*given, *tail)
+            if inplace_dtype is not None:  # new argument dtypes retrace this entry: PyTorch's cast rule, each time
+                _check_cast(name, _runtime.torch_dtype(out.dtype), inplace_dtype)
+                out = _cast_tree(out, _runtime.jax_dtype(inplace_dtype))
+            return out
 
         if recorded:
             given_args._torch_tpu_op = f"aten::{self.name}"  # type: ignore[attr-defined]
             self._fast_rec[key] = ((self.name, "fast", key), given_args)
         else:
-            self._fast[key] = _checks.jit(given_args)
+            fn = self._fast[key] = _jit(self.lowering, given_args)
+            handle = self._eager_handles.get(inplace_dtype is not None)
+            if handle is not None:  # the C++ kernel's table (runtime/TpuDispatch.cpp)
+                _C._eager_put(handle, n, mask, inplace_dtype, fn)
 
     def inplace(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
@@ -443,6 +458,14 @@ class OpKernel:
         if _current_mode() == _deferred.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
             _deferred.block_arrays(result)
         return outs[0] if n_out == 1 else tuple(outs)
+
+
+def _jit(lowering: Lowering, fn: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
+    """An eager op's jitted callable: through _checks.jit (which collects the index checks its trace reports)
+    when the lowering declares `checks`, else the bare jax.jit callable (no wrapper on the call)."""
+    if lowering.checks:
+        return _checks.jit(fn, **jit_kwargs)
+    return jax.jit(_checks.undeclared(fn, lowering.name), **jit_kwargs)
 
 
 def _promote(operands: list, static: tuple, idx: tuple, kind: Any) -> tuple[Any, Any]:
@@ -555,11 +578,11 @@ def install() -> None:
         op = _overload(name)
         kernel = OpKernel(lowering, op)
         KERNELS[name] = kernel
-        impl(name, kernel.functional, lowering.jit, "data_dependent")
+        _install_eager(lib, kernel, name, False, impl)
         if lowering.variants:
             inplace, out = _find_variants(op)
             if inplace is not None and _name(inplace) not in LOWERINGS and _name(inplace) not in DIRECT:
-                impl(_name(inplace), kernel.inplace, lowering.jit, "data_dependent")
+                _install_eager(lib, kernel, _name(inplace), True, impl)
             if out is not None and _name(out) not in LOWERINGS and _name(out) not in DIRECT:
                 kernel.out_names = [a.name for a in out._schema.arguments if a.is_out]
                 impl(_name(out), kernel.out, lowering.jit, "data_dependent")
@@ -570,6 +593,16 @@ def install() -> None:
         else:
             impl(name, fn, False, reason)
     _LIB = lib
+
+
+def _install_eager(lib: Any, kernel: OpKernel, name: str, inplace: bool, impl: Callable[..., None]) -> None:
+    """Installs a lowering's functional or in-place form. A jitted lowering gets the C++ kernel
+    (runtime/TpuDispatch.cpp): it runs cache hits without entering Python and calls the Python kernel otherwise."""
+    fn = kernel.inplace if inplace else kernel.functional
+    if not kernel.lowering.jit:
+        impl(name, fn, False, "data_dependent")
+        return
+    kernel._eager_handles[inplace] = _C._eager_install(name, fn, inplace)
 
 
 def _name(op: Any) -> str:
