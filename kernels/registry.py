@@ -47,6 +47,10 @@ class Lowering:
     # Trace-only: read by graph executors (torch.compile) but not installed as an eager PrivateUse1 kernel (view
     # and metadata ops are C++ metadata kernels eagerly; composites like clone/full reach eager kernels anyway).
     trace_only: bool = False
+    # The lowering reports value-dependent index checks (torch_tpu._checks.report_bad_index) while it is traced:
+    # its eager programs run through _checks.jit, which collects them. Without it, eager calls run the bare
+    # jax.jit callable, and a report from an undeclared lowering fails its trace (a check is never dropped).
+    checks: bool = False
 
 
 LOWERINGS: dict[str, Lowering] = {}
@@ -66,13 +70,14 @@ def lower(
     cpu_tensors: bool = False,
     broadcasts: bool = True,
     trace_only: bool = False,
+    checks: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         for name in names:
             if name in LOWERINGS or name in DIRECT:
                 raise RuntimeError(f"torch_tpu: aten::{name} is registered twice")
             LOWERINGS[name] = Lowering(name, fn, promote, tuple(promote_args), jit, variants, cpu_tensors,
-                                       broadcasts, trace_only)
+                                       broadcasts, trace_only, checks)
         return fn
 
     return deco

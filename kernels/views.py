@@ -313,7 +313,7 @@ def arange(end: Any = None, start: Any = 0, step: Any = 1, dtype: torch.dtype | 
     return (start + step * jnp.arange(n, dtype=wide)).astype(jd)
 
 
-@lower("embedding", **_T)
+@lower("embedding", **_T, checks=True)
 def embedding(weight: Any, indices: Any, padding_idx: int = -1, scale_grad_by_freq: bool = False,
               sparse: bool = False) -> Any:
     report_bad_index("embedding", indices, weight.shape[0])

@@ -136,4 +136,6 @@ bool recording() { return t_suspended == 0 && effective_mode() == kFuse; }
 
 PyMethodDef* mode_methods() { return kModeMethods; }
 
+int current_mode() { return effective_mode(); }
+
 }  // namespace torch_tpu

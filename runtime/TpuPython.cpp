@@ -318,12 +318,17 @@ TpuGeneratorImpl* generator_arg(py::handle gen) {
 }
 
 }  // namespace
+
+void dispatch_resolve_pending(TpuBuffer* buf) { resolve_pending(buf); }
+bool dispatch_collect_if_due() { return collect_if_due(); }
+PyObject* dispatch_dtype_map() { return g_dtype_map; }
+
 }  // namespace torch_tpu
 
 PYBIND11_MODULE(_C, m) {
   using namespace torch_tpu;
   m.doc() = "torch_tpu C++ runtime: allocator, device guard, hooks, generator, metadata kernels";
-  for (PyMethodDef* table : {kFastMethods, mode_methods()}) {
+  for (PyMethodDef* table : {kFastMethods, mode_methods(), dispatch_methods()}) {
     for (PyMethodDef* d = table; d->ml_name != nullptr; ++d) {
       PyObject* f = PyCFunction_NewEx(d, nullptr, m.ptr());
       if (f == nullptr) throw py::error_already_set();

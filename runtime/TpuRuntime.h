@@ -65,6 +65,16 @@ inline void check_not_forked() {
 bool recording();
 // The Python functions of the mode state (_mode, _recording, _set_thread_mode, ...), null-terminated.
 PyMethodDef* mode_methods();
+// The calling thread's effective execution mode (an EagerMode value: 0 DEFER_NEVER).
+int current_mode();
+
+// ---- the eager dispatch path of cache hits (TpuDispatch.cpp) ----
+PyMethodDef* dispatch_methods();
+// TpuPython.cpp's accessors, shared with it: resolve a DEFER_AND_FUSE placeholder (a Python error may be set),
+// run a due program collection (false with a Python error set if it raised), the {numpy dtype: torch.dtype} map.
+void dispatch_resolve_pending(TpuBuffer* buf);
+bool dispatch_collect_if_due();
+PyObject* dispatch_dtype_map();
 
 // ---- Python callbacks installed by torch_tpu at import (TpuPython.cpp) ----
 struct Callbacks {

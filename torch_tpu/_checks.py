@@ -72,9 +72,14 @@ def report_bad_index(op: str, index: Any, size: int, dim: int = 0, *, negative: 
     """Checks, on the device, that every element of the integer array `index` lies in [0, size) (or in
     [-size, size) with `negative`). Called by lowerings while they are traced; the error (type `error`, text
     `message` with {op}, {dim}, {size} and {value} filled in) is raised at the next synchronization point."""
+    found = getattr(_tls, "found", None)
+    if found is _UNDECLARED:
+        raise RuntimeError(
+            f"torch_tpu internal error: the lowering of aten::{getattr(_tls, 'undeclared_op', '?')} reports an index "
+            f"check ({op}) but does not declare it: add checks=True to its @lower(...) so its eager programs collect "
+            "the check (kernels/registry.py)")
     if not enabled or getattr(index, "size", 1) == 0:
         return
-    found = getattr(_tls, "found", None)
     text = (message or _DEFAULT).replace("{op}", op).replace("{dim}", str(dim)).replace("{size}", str(size))
     lo = -size if negative else 0
     if found is None:
@@ -116,6 +121,25 @@ class collecting:
 def discarding() -> collecting:
     """A trace that is never run (jax.eval_shape): reported checks are dropped."""
     return collecting(discard=True)
+
+
+_UNDECLARED: dict = {}
+
+
+def undeclared(fn: Callable[..., Any], op: str) -> Callable[..., Any]:
+    """`fn` for the bare jax.jit of a lowering that declares no checks (kernels/registry.py `checks`): a check
+    reported while it is traced fails the trace loudly instead of being dropped. Costs nothing per call."""
+    def traced(*args: Any) -> Any:
+        saved = getattr(_tls, "found", None), getattr(_tls, "undeclared_op", None)
+        _tls.found, _tls.undeclared_op = _UNDECLARED, op
+        try:
+            return fn(*args)
+        finally:
+            _tls.found, _tls.undeclared_op = saved
+
+    traced.__name__ = getattr(fn, "__name__", "traced")
+    traced.__qualname__ = getattr(fn, "__qualname__", traced.__name__)
+    return traced
 
 
 class _Checked:

@@ -24,6 +24,7 @@ _current_mode = _C._mode  # the calling thread's execution mode (torch_tpu/_defe
 _recording = _C._recording
 from torch_tpu._jax import jax  # noqa: E402
 from torch_tpu.kernels._promote import (  # noqa: E402
+    _cast_tree,
     _check_cast,
     _check_same_shape,
     _device_mismatch,
@@ -67,6 +68,8 @@ class OpKernel(Signature):
         ]
         # Fast path: every argument positional, tensors and scalars only.
         self.simple = all(k in (TENSOR, SCALAR) for k in self.kinds)
+        # The C++ kernels installed for the functional (False) and in-place (True) forms: handles of their tables.
+        self._eager_handles: dict[bool, int] = {}
 
     def prepare(self, vals: list) -> tuple[int, list, tuple, bool]:
         """(device index, dynamic values, static key, any tpu input) with tensors read as device arrays."""
@@ -140,9 +143,10 @@ class OpKernel(Signature):
             if not self.lowering.jit:
                 fn = _checks.eager(run)
             elif has_arrays:
-                fn = _checks.jit(run)
+                fn = _jit(self.lowering, run)
             else:  # nothing to follow: place the result on the op's device
-                fn = _checks.jit(run, out_shardings=jax.sharding.SingleDeviceSharding(_runtime.device(index)))
+                fn = _jit(self.lowering, run,
+                          out_shardings=jax.sharding.SingleDeviceSharding(_runtime.device(index)))
             self._jits[key] = fn
         return index, fn(*dyn)
 
@@ -199,18 +203,25 @@ class OpKernel(Signature):
         if key in table:
             return
         _, dyn, static, _ = self.prepare(vals)
-        out_dtype = None if inplace_dtype is None else _runtime.jax_dtype(inplace_dtype)
-        run = self._traced(static, out_dtype)
+        run = self._traced(static, None)
         tail = tuple(dyn[n:])
+        name = self.name
 
         def given_args(*given: Any) -> Any:
-            return run(*given, *tail)
+            out = run(*given, *tail)
+            if inplace_dtype is not None:  # new argument dtypes retrace this entry: PyTorch's cast rule, each time
+                _check_cast(name, _runtime.torch_dtype(out.dtype), inplace_dtype)
+                out = _cast_tree(out, _runtime.jax_dtype(inplace_dtype))
+            return out
 
         if recorded:
             given_args._torch_tpu_op = f"aten::{self.name}"  # type: ignore[attr-defined]
             self._fast_rec[key] = ((self.name, "fast", key), given_args)
         else:
-            self._fast[key] = _checks.jit(given_args)
+            fn = self._fast[key] = _jit(self.lowering, given_args)
+            handle = self._eager_handles.get(inplace_dtype is not None)
+            if handle is not None:  # the C++ kernel's table (runtime/TpuDispatch.cpp)
+                _C._eager_put(handle, n, mask, inplace_dtype, fn)
 
     def inplace(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
@@ -253,6 +264,14 @@ class OpKernel(Signature):
         return outs[0] if n_out == 1 else tuple(outs)
 
 
+def _jit(lowering: Any, fn: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
+    """An eager op's jitted callable: through _checks.jit (which collects the index checks its trace reports)
+    when the lowering declares `checks`, else the bare jax.jit callable (no wrapper on the call)."""
+    if lowering.checks:
+        return _checks.jit(fn, **jit_kwargs)
+    return jax.jit(_checks.undeclared(fn, lowering.name), **jit_kwargs)
+
+
 # ---- installation ----
 
 _LIB: torch.library.Library | None = None
@@ -279,11 +298,11 @@ def install() -> None:
         op = _overload(name)
         kernel = OpKernel(lowering, op)
         KERNELS[name] = kernel
-        impl(name, kernel.functional, lowering.jit, "data_dependent")
+        _install_eager(kernel, name, False, impl)
         if lowering.variants:
             inplace, out = _find_variants(op)
             if inplace is not None and _name(inplace) not in LOWERINGS and _name(inplace) not in DIRECT:
-                impl(_name(inplace), kernel.inplace, lowering.jit, "data_dependent")
+                _install_eager(kernel, _name(inplace), True, impl)
             if out is not None and _name(out) not in LOWERINGS and _name(out) not in DIRECT:
                 kernel.out_names = [a.name for a in out._schema.arguments if a.is_out]
                 impl(_name(out), kernel.out, lowering.jit, "data_dependent")
@@ -294,6 +313,16 @@ def install() -> None:
         else:
             impl(name, fn, False, reason)
     _LIB = lib
+
+
+def _install_eager(kernel: OpKernel, name: str, inplace: bool, impl: Callable[..., None]) -> None:
+    """Installs a lowering's functional or in-place form. A jitted lowering gets the C++ kernel
+    (runtime/TpuDispatch.cpp): it runs cache hits without entering Python and calls the Python kernel otherwise."""
+    fn = kernel.inplace if inplace else kernel.functional
+    if not kernel.lowering.jit:
+        impl(name, fn, False, "data_dependent")
+        return
+    kernel._eager_handles[inplace] = _C._eager_install(name, fn, inplace)
 
 
 def registered_overloads() -> list[str]:

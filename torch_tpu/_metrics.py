@@ -187,6 +187,12 @@ def _check_storm() -> None:
             site_file, site_line = code.co_filename, f.f_lineno
             break
         f = f.f_back
+    if what is None:
+        from torch_tpu import _C
+
+        running = _C._eager_running()  # a cache hit of the C++ eager path (runtime/TpuDispatch.cpp) compiling
+        if running is not None:
+            what, shapes = f"aten::{running[0]}", _shapes(running[1])
     if what is None or site is None:
         return
     key = (site, what)

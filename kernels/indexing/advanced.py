@@ -93,7 +93,7 @@ def _index_put_fn(pattern: tuple[bool, ...], accumulate: bool) -> Callable[..., 
     return jax.jit(f)
 
 
-@lower("index.Tensor", jit=False, cpu_tensors=True)
+@lower("index.Tensor", jit=False, cpu_tensors=True, checks=True)
 def index(self: Any, indices: Sequence[Any]) -> Any:
     idx, shape = _expand_indices(tuple(self.shape), indices, "index")
     x = self.reshape(shape) if shape != tuple(self.shape) else self
@@ -130,12 +130,12 @@ def _index_put(self: Any, indices: Sequence[Any], values: Any, accumulate: bool)
     return out if x is self else out.reshape(self.shape)
 
 
-@lower("index_put", jit=False, cpu_tensors=True)
+@lower("index_put", jit=False, cpu_tensors=True, checks=True)
 def index_put(self: Any, indices: Sequence[Any], values: Any, accumulate: bool = False) -> Any:
     return _index_put(self, indices, values, accumulate)
 
 
-@lower("_index_put_impl", jit=False, cpu_tensors=True)
+@lower("_index_put_impl", jit=False, cpu_tensors=True, checks=True)
 def _index_put_impl(
     self: Any, indices: Sequence[Any], values: Any, accumulate: bool = False, unsafe: bool = False
 ) -> Any:

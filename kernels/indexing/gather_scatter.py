@@ -33,7 +33,7 @@ def _region(src: Any, shape: tuple[int, ...]) -> Any:
     return src[tuple(slice(0, s) for s in shape)]
 
 
-@lower("gather")
+@lower("gather", checks=True)
 def gather(self: Any, dim: int, index: Any, sparse_grad: bool = False) -> Any:
     if index.size == 0:  # PyTorch checks nothing for an empty index
         return jnp.zeros(index.shape, self.dtype)
@@ -90,39 +90,39 @@ def _scatter_reduce_name(reduce: str) -> str:
     return _SCATTER_REDUCE[reduce]
 
 
-@lower("scatter.src")
+@lower("scatter.src", checks=True)
 def scatter_src(self: Any, dim: int, index: Any, src: Any) -> Any:
     _check_index_dims("scatter", self, dim, index, src)
     return _scatter("scatter", self, dim, index, src, "set")
 
 
-@lower("scatter.value")
+@lower("scatter.value", checks=True)
 def scatter_value(self: Any, dim: int, index: Any, value: Any) -> Any:
     _check_index_dims("scatter", self, dim, index)
     return _scatter("scatter", self, dim, index, jnp.asarray(value).astype(self.dtype), "set",
                     src_is_tensor=False)
 
 
-@lower("scatter.reduce")
+@lower("scatter.reduce", checks=True)
 def scatter_reduce_src(self: Any, dim: int, index: Any, src: Any, reduce: str) -> Any:
     _check_index_dims("scatter", self, dim, index, src)
     return _scatter("scatter", self, dim, index, src, _scatter_reduce_name(reduce))
 
 
-@lower("scatter.value_reduce")
+@lower("scatter.value_reduce", checks=True)
 def scatter_value_reduce(self: Any, dim: int, index: Any, value: Any, reduce: str) -> Any:
     _check_index_dims("scatter", self, dim, index)
     return _scatter("scatter", self, dim, index, jnp.asarray(value).astype(self.dtype),
                     _scatter_reduce_name(reduce), src_is_tensor=False)
 
 
-@lower("scatter_add")
+@lower("scatter_add", checks=True)
 def scatter_add(self: Any, dim: int, index: Any, src: Any) -> Any:
     _check_index_dims("scatter_add", self, dim, index, src)
     return _scatter("scatter_add", self, dim, index, src, "sum")
 
 
-@lower("scatter_reduce.two")
+@lower("scatter_reduce.two", checks=True)
 def scatter_reduce(self: Any, dim: int, index: Any, src: Any, reduce: str, include_self: bool = True) -> Any:
     _check_index_dims("scatter_reduce", self, dim, index, src)
     if reduce not in ("sum", "prod", "mean", "amax", "amin"):

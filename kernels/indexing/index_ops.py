@@ -36,7 +36,7 @@ def _source_slices(source: Any, dim: int, dtype: Any) -> Any:
     return jnp.moveaxis(_nonempty(source), dim, 0).astype(dtype)
 
 
-@lower("index_select")
+@lower("index_select", checks=True)
 def index_select(self: Any, dim: int, index: Any) -> Any:
     if index.dtype not in (jnp.int64, jnp.int32):
         raise RuntimeError("index_select(): Expected dtype int32 or int64 for index")
@@ -53,7 +53,7 @@ def index_select(self: Any, dim: int, index: Any) -> Any:
     return jnp.take(self, index.reshape(-1), axis=dim, mode="clip")
 
 
-@lower("index_add")
+@lower("index_add", checks=True)
 def index_add(self: Any, dim: int, index: Any, source: Any, alpha: Any = 1) -> Any:
     _check_index_vector("index_add_", index)
     if source.dtype != self.dtype:
@@ -67,7 +67,7 @@ def index_add(self: Any, dim: int, index: Any, source: Any, alpha: Any = 1) -> A
     return _along(self, dim, index, src, "sum")
 
 
-@lower("index_copy")
+@lower("index_copy", checks=True)
 def index_copy(self: Any, dim: int, index: Any, source: Any) -> Any:
     if index.ndim > 1:
         raise IndexError("index_copy_(): Index should have dimension 1 or 0 (got %d)" % index.ndim)
@@ -83,7 +83,7 @@ def index_copy(self: Any, dim: int, index: Any, source: Any) -> Any:
     return _along(self, dim, index, _source_slices(source, dim, self.dtype), "set")
 
 
-@lower("index_fill.int_Scalar", "index_fill.int_Tensor")
+@lower("index_fill.int_Scalar", "index_fill.int_Tensor", checks=True)
 def index_fill(self: Any, dim: int, index: Any, value: Any) -> Any:
     if getattr(value, "ndim", 0) != 0:
         raise RuntimeError(
@@ -98,7 +98,7 @@ def index_fill(self: Any, dim: int, index: Any, value: Any) -> Any:
     return _along(self, dim, index, jnp.asarray(value).astype(self.dtype), "set")
 
 
-@lower("index_reduce")
+@lower("index_reduce", checks=True)
 def index_reduce(self: Any, dim: int, index: Any, source: Any, reduce: str, include_self: bool = True) -> Any:
     if reduce not in ("prod", "mean", "amax", "amin"):
         raise RuntimeError(f"index_reduce(): Expected reduce to be one of prod, mean, amax or amin but got {reduce}.")

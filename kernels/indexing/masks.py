@@ -41,7 +41,7 @@ def masked_fill(self: Any, mask: Any, value: Any) -> Any:
     return jnp.where(mask, jnp.asarray(value).astype(self.dtype), self)
 
 
-@lower("masked_scatter")
+@lower("masked_scatter", checks=True)
 def masked_scatter(self: Any, mask: Any, source: Any) -> Any:
     if mask.dtype != jnp.bool_:
         raise RuntimeError(

@@ -20,7 +20,7 @@ def _flat_index(index: Any, n: int) -> Any:
     return jnp.where(index < 0, index + n, index)
 
 
-@lower("take")
+@lower("take", checks=True)
 def take(self: Any, index: Any) -> Any:
     if index.dtype != jnp.int64:
         raise RuntimeError(f"take(): Expected a long tensor for index, but got {_dtype_name(index.dtype)}")
@@ -31,7 +31,7 @@ def take(self: Any, index: Any) -> Any:
     return jnp.take(flat, _flat_index(index, flat.size), mode="clip")
 
 
-@lower("put")
+@lower("put", checks=True)
 def put(self: Any, index: Any, source: Any, accumulate: bool = False) -> Any:
     if index.dtype != jnp.int64:
         raise RuntimeError(f"put_(): Expected a long tensor for index, but got {_dtype_name(index.dtype)}")

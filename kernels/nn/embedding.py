@@ -11,7 +11,7 @@ from torch_tpu.kernels.nn._common import _opmath
 from torch_tpu.kernels.registry import lower
 
 
-@lower("embedding_dense_backward")
+@lower("embedding_dense_backward", checks=True)
 def embedding_dense_backward(
     grad_output: Any, indices: Any, num_weights: int, padding_idx: int, scale_grad_by_freq: bool,
 ) -> Any:

@@ -56,13 +56,13 @@ def _nll_forward(self: Any, target: Any, weight: Any, reduction: int, ignore_ind
     return out.astype(self.dtype), total.astype(self.dtype)
 
 
-@lower("nll_loss_forward")
+@lower("nll_loss_forward", checks=True)
 def nll_loss_forward(self: Any, target: Any, weight: Any, reduction: int, ignore_index: int) -> tuple[Any, Any]:
     _check_nll(self, target, weight, spatial=False)
     return _nll_forward(self, target, weight, reduction, ignore_index)
 
 
-@lower("nll_loss2d_forward")
+@lower("nll_loss2d_forward", checks=True)
 def nll_loss2d_forward(self: Any, target: Any, weight: Any, reduction: int, ignore_index: int) -> tuple[Any, Any]:
     _check_nll(self, target, weight, spatial=True)
     return _nll_forward(self, target, weight, reduction, ignore_index)
@@ -186,7 +186,7 @@ def _multi_margin_terms(self: Any, target: Any, p: Any, margin: Any, weight: Any
     return x, z, w, onehot
 
 
-@lower("multi_margin_loss")
+@lower("multi_margin_loss", checks=True)
 def multi_margin_loss(self: Any, target: Any, p: Any = 1, margin: Any = 1, weight: Any = None,
                       reduction: int = 1) -> Any:
     report_bad_index("multi_margin_loss", target, self.shape[-1] if self.ndim else 1, error=RuntimeError,

@@ -290,12 +290,12 @@ def _max_unpool(self: Any, indices: Any, output_size: Sequence[int]) -> Any:
     return out.reshape(tuple(lead) + tuple(output_size))
 
 
-@lower("max_unpool2d")
+@lower("max_unpool2d", checks=True)
 def max_unpool2d(self: Any, indices: Any, output_size: Sequence[int]) -> Any:
     return _max_unpool(self, indices, output_size)
 
 
-@lower("max_unpool3d")
+@lower("max_unpool3d", checks=True)
 def max_unpool3d(self: Any, indices: Any, output_size: Sequence[int], stride: Sequence[int],
                  padding: Sequence[int]) -> Any:
     return _max_unpool(self, indices, output_size)
