@@ -3,6 +3,8 @@
 
     tools/bench                 # all benchmarks
     tools/bench eager_overhead  # one of them
+    tools/bench host            # every ratio issue 12 asks for, each with its target
+    tools/bench host --rows eager,sync --quick
 """
 
 from __future__ import annotations
@@ -476,6 +478,13 @@ def _jax_loss(name: str):
     def gelu(x):
         return jax.nn.gelu(x, approximate=False)
 
+    if name == "host_mlp":  # _HostMLP: Linear, LayerNorm, GELU, Linear, GELU, Linear
+        def loss(p, x, y):
+            h = gelu(layer_norm(p, "1", linear(p, "0", x)))
+            h = gelu(linear(p, "3", h))
+            return xent(linear(p, "5", h), y)
+        return loss
+
     if name == "mlp":
         def loss(p, x, y):
             h = jax.nn.relu(linear(p, "0", x))
@@ -509,7 +518,7 @@ def _jax_train_step(name: str) -> tuple[Callable[[], Any], list[Any]]:
     import jax
     import jax.numpy as jnp
 
-    mod = _example(name)
+    mod = _HostMLP if name == "host_mlp" else _example(name)
     model, batches, _ = mod.build(0)
     group = mod.optimizer(model).param_groups[0]
     params = {k: jnp.asarray(v.detach().numpy()) for k, v in model.named_parameters()}
@@ -651,10 +660,315 @@ def bench_index_checks() -> None:
               + ("" if label == "DEFER_NEVER" else "  (target < 1.1x)"))
 
 
+class _HostMLP:
+    """The MLP training step issue 12 states: B=64, 256 -> 1024 -> 256 -> 10, GELU, LayerNorm, AdamW,
+    cross-entropy (the examples' MLP has ReLU and no LayerNorm)."""
+
+    @staticmethod
+    def build(seed: int = 0):
+        import torch.nn as nn
+        import torch.nn.functional as F
+
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(256, 1024), nn.LayerNorm(1024), nn.GELU(), nn.Linear(1024, 256), nn.GELU(),
+                              nn.Linear(256, 10))
+        g = torch.Generator().manual_seed(seed)
+
+        def batches():
+            while True:
+                yield torch.randn(64, 256, generator=g), torch.randint(0, 10, (64,), generator=g)
+
+        return model, batches(), F.cross_entropy
+
+    @staticmethod
+    def optimizer(model):
+        return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+HOST_ROWS = ("eager", "mlp", "gpt", "compiled", "sync", "cold", "hf")
+_HOST_TABLE: list[tuple[str, str, str, bool | None]] = []
+
+
+def _host_row(name: str, figures: str, ratio: float, target: float, fmt: str = "{:.2f}x") -> None:
+    """Print one ratio with its target and keep it for the summary table."""
+    ok = ratio <= target
+    shown, tgt = fmt.format(ratio), fmt.format(target)
+    mark = "ok" if ok else "MISSES TARGET"
+    print(f"  {name:<50} {figures}\n  {'':<50} -> {shown} (target <= {tgt})  {mark}", flush=True)
+    _HOST_TABLE.append((name, shown, f"<= {tgt}", ok))
+
+
+def _host_info(name: str, figures: str, ratio: str = "") -> None:
+    print(f"  {name:<50} {figures}" + (f"  -> {ratio}" if ratio else ""), flush=True)
+    if ratio:
+        _HOST_TABLE.append((name, ratio, "", None))
+
+
+def _interleaved(fns: dict[str, Callable[[], object]], calls: int, trials: int, warm: int = 3) -> dict[str, float]:
+    """Median us per call of each function (each call must wait for its result), interleaved trials."""
+    for fn in fns.values():
+        for _ in range(warm):
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(trials):
+        for k, fn in fns.items():
+            samples[k].append(per_call_us(fn, calls))
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def _tpu_step_variants(mod, modes=("DEFER_NEVER", "DEFER_AND_FUSE"), whole_step: bool = True,
+                       compiled_model: bool = True) -> dict[str, Callable[[], float]]:
+    """Training steps of `mod` (build/optimizer) on tpu, each ending in loss.item(): one per eager mode, the whole
+    step in torch.compile(backend="tpu"), and torch.compile(model, backend="tpu") with the optimizer eager. Every
+    variant has its own model built from the same seed."""
+    out: dict[str, Callable[[], float]] = {}
+
+    def make(kind: str) -> Callable[[], float]:
+        model, batches, loss_fn = mod.build(0)
+        model = model.to("tpu")
+        opt = mod.optimizer(model)
+        x, y = (t.to("tpu") for t in next(batches))
+        fwd = torch.compile(model, backend="tpu") if kind == "compiled model" else model
+
+        def step() -> torch.Tensor:
+            opt.zero_grad()
+            loss = loss_fn(fwd(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        if kind == "compiled step":
+            step = torch.compile(step, backend="tpu")
+        if kind in ("DEFER_NEVER", "DEFER_AND_FUSE"):
+            def run() -> float:
+                with torch.tpu.set_eager_mode(kind):
+                    return step().item()
+            return run
+        return lambda: step().item()
+
+    for m in modes:
+        out[m] = make(m)
+    if whole_step:
+        out["compiled step"] = make("compiled step")
+    if compiled_model:
+        out["compiled model"] = make("compiled model")
+    return out
+
+
+def _host_eager(quick: bool) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    x = torch.randn(2, 2, device="tpu")
+    y = torch.randn(2, 2, device="tpu")
+    a, b = jnp.asarray(x.cpu().numpy()), jnp.asarray(y.cpu().numpy())
+    add = jax.jit(lambda p, q: p + q)
+    with torch.tpu.set_eager_mode("DEFER_NEVER"):
+        r = side_by_side({"tpu": lambda: x + y, "jax": lambda: add(a, b)}, calls=300 if quick else 5000,
+                         trials=2 if quick else 7, sync=lambda: (torch.tpu.synchronize(), jax.block_until_ready(a)))
+    _host_row("a. eager x + y (2x2, DEFER_NEVER, no sync)", f"tpu {r['tpu']:.2f} us  jax.jit {r['jax']:.2f} us",
+              r["tpu"] / r["jax"], 1.2)
+
+
+def _host_training(name: str, quick: bool, fused: bool, compiled: bool) -> None:
+    mod = _HostMLP if name == "host_mlp" else _example(name)
+    label = "MLP" if name == "host_mlp" else "GPT"
+    fns: dict[str, Callable[[], float]] = dict(_tpu_step_variants(
+        mod, modes=("DEFER_NEVER", "DEFER_AND_FUSE") if fused else (), whole_step=compiled, compiled_model=compiled))
+    jax_step, _ = _jax_train_step(name)
+    fns["jax"] = lambda: float(jax_step())
+    calls = 3 if quick else (20 if name == "host_mlp" else 10)
+    r = _interleaved(fns, calls=calls, trials=2 if quick else 5, warm=2 if quick else 5)
+    j = r["jax"]
+    ms = lambda k: f"{r[k] / 1e3:.2f} ms"  # noqa: E731
+    if fused:
+        _host_row(f"b. {label} step DEFER_AND_FUSE / jax.jit", f"fused {ms('DEFER_AND_FUSE')}  jax.jit {ms('jax')}",
+                  r["DEFER_AND_FUSE"] / j, 1.3)
+        _host_info(f"b. {label} step DEFER_NEVER / jax.jit", f"never {ms('DEFER_NEVER')}  jax.jit {ms('jax')}",
+                   f"{r['DEFER_NEVER'] / j:.2f}x")
+    if compiled:
+        _host_row(f"c. {label} torch.compile(whole step) / jax", f"compiled {ms('compiled step')}  jax.jit {ms('jax')}",
+                  r["compiled step"] / j, 1.15)
+        _host_row(f"c. {label} torch.compile(model) / jax", f"compiled {ms('compiled model')}  jax.jit {ms('jax')}",
+                  r["compiled model"] / j, 1.4)
+
+
+def _host_sync(quick: bool) -> None:
+    x = torch.randn(2, 2, device="tpu")
+    y = torch.randn(2, 2, device="tpu")
+    x1, y1 = x[0, 0].clone(), y[0, 0].clone()
+    for what, fn in (("(x + y).cpu(), 2x2", lambda: (x + y).cpu()), ("(x + y).item(), 1 element",
+                                                                      lambda: (x1 + y1).item())):
+        def in_mode(mode: str, fn=fn) -> Callable[[], object]:
+            def run() -> None:
+                with torch.tpu.set_eager_mode(mode):
+                    for _ in range(50):
+                        fn()
+            return run
+
+        r = _interleaved({"fuse": in_mode("DEFER_AND_FUSE"), "never": in_mode("DEFER_NEVER")},
+                         calls=2 if quick else 20, trials=2 if quick else 7)
+        _host_row(f"e. sync-heavy {what}: fused / never",
+                  f"fused {r['fuse'] / 50:.2f} us  never {r['never'] / 50:.2f} us", r["fuse"] / r["never"], 1.0)
+
+
+_HOST_FIRST_STEP = """
+import sys, time
+import torch
+import torch._dynamo, torch._functorch.aot_autograd  # PyTorch's own imports
+sys.path.insert(0, {tools!r})
+import bench
+torch.zeros(1, device="tpu").cpu()  # start the runtime (PJRT client)
+bench._HostMLP.optimizer(torch.nn.Linear(1, 1))
+t0 = time.perf_counter()
+model, batches, loss_fn = bench._HostMLP.build(0)
+model = model.tpu()
+opt = bench._HostMLP.optimizer(model)
+fwd = torch.compile(model, backend="tpu") if {compiled!r} else model
+x, y = (t.tpu() for t in next(batches))
+opt.zero_grad()
+loss = loss_fn(fwd(x), y)
+loss.backward()
+opt.step()
+loss.item()
+print(f"RESULT {{time.perf_counter() - t0}}")
+"""
+
+
+def _host_cold(quick: bool) -> None:
+    import os
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    tools = str(Path(__file__).resolve().parent)
+    reps = 1  # a cold first step takes 4-16 s here: one pair per case keeps the whole host run near 4 min
+    cases = (("DEFER_NEVER", 0.15), ("DEFER_AND_FUSE", 0.10), ("compiled model", 0.40))
+    for label, target in cases[:1] if quick else cases:
+        compiled = label == "compiled model"
+        code = _HOST_FIRST_STEP.format(tools=tools, compiled=compiled)
+        cold, warm = [], []
+        for _ in range(reps):
+            with tempfile.TemporaryDirectory() as d:
+                env = dict(os.environ, TORCH_TPU_CACHE_DIR=f"{d}/tpu", TORCHINDUCTOR_CACHE_DIR=f"{d}/inductor",
+                           TORCH_TPU_EAGER_MODE="DEFER_NEVER" if compiled else label)
+                for bucket in (cold, warm):
+                    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                         cwd="/", timeout=300)
+                    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
+                    if out.returncode or not lines:
+                        raise RuntimeError(f"first-step subprocess ({label}) failed: {out.stderr[-2000:]}")
+                    bucket.append(float(lines[-1].split()[1]))
+        c, w = statistics.median(cold), statistics.median(warm)
+        _host_row(f"d. first step warm/cold, {label}", f"cold {c:.2f} s  warm {w:.2f} s (fresh processes, "
+                  f"median of {reps})", w / c, target, fmt="{:.1%}")
+
+
+def _hf_models() -> dict[str, Any]:
+    """The row f models that can be built here: name -> (build(device) -> step, or the reason it is skipped)."""
+    models: dict[str, Any] = {}
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except Exception as e:  # noqa: BLE001  (any import failure means: skip, with the reason)
+        models["Llama (HF, tiny)"] = f"transformers does not import here ({type(e).__name__}: {e})"
+    else:
+        def llama(seed: int = 0):
+            torch.manual_seed(seed)
+            cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=4, vocab_size=1000, max_position_embeddings=128)
+            model = LlamaForCausalLM(cfg)
+            ids = torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(seed))
+            return model, ids, lambda m, x: m(input_ids=x, labels=x).loss
+        models["Llama (HF, tiny)"] = llama
+    try:
+        from torchvision.models import resnet18
+    except Exception as e:  # noqa: BLE001
+        models["ResNet-18 (torchvision)"] = f"torchvision does not import here ({type(e).__name__}: {str(e)[:120]})"
+    else:
+        def resnet(seed: int = 0):
+            torch.manual_seed(seed)
+            g = torch.Generator().manual_seed(seed)
+            data = (torch.randn(8, 3, 64, 64, generator=g), torch.randint(0, 1000, (8,), generator=g))
+            return resnet18(), data, lambda m, d: torch.nn.functional.cross_entropy(m(d[0]), d[1])
+        models["ResNet-18 (torchvision)"] = resnet
+    return models
+
+
+def _host_hf(quick: bool) -> None:
+    threads = torch.get_num_threads()
+    for name, build in _hf_models().items():
+        if isinstance(build, str):
+            print(f"  f. {name}: SKIPPED, {build}", flush=True)
+            _HOST_TABLE.append((f"f. {name}", "skipped", "", None))
+            continue
+        fns: dict[str, Callable[[], float]] = {}
+        for kind in ("cpu 1 thread", f"cpu {threads} threads", "DEFER_NEVER", "DEFER_AND_FUSE", "compiled model"):
+            device = "cpu" if kind.startswith("cpu") else "tpu"
+            model, data, loss_of = build(0)
+            model = model.to(device)
+            data = data.to(device) if isinstance(data, torch.Tensor) else tuple(t.to(device) for t in data)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            fwd = torch.compile(model, backend="tpu") if kind == "compiled model" else model
+            n_threads = 1 if kind == "cpu 1 thread" else threads
+            mode = kind if kind.startswith("DEFER") else "DEFER_NEVER"
+
+            def step(fwd=fwd, opt=opt, data=data, loss_of=loss_of, n_threads=n_threads, mode=mode) -> float:
+                torch.set_num_threads(n_threads)
+                try:
+                    with torch.tpu.set_eager_mode(mode):
+                        opt.zero_grad()
+                        loss = loss_of(fwd, data)
+                        loss.backward()
+                        opt.step()
+                        return loss.item()
+                finally:
+                    torch.set_num_threads(threads)
+
+            fns[kind] = step
+        r = _interleaved(fns, calls=2 if quick else 5, trials=2 if quick else 5, warm=2 if quick else 3)
+        cpu1 = r["cpu 1 thread"]
+        print(f"  f. {name}: " + "  ".join(f"{k} {v / 1e3:.1f} ms" for k, v in r.items()), flush=True)
+        for kind, target in (("DEFER_NEVER", None), ("DEFER_AND_FUSE", 1.0), ("compiled model", 1.0)):
+            label = f"f. {name} tpu {kind} / cpu 1 thread"
+            extra = f"(vs cpu {threads} threads {r[kind] / r[f'cpu {threads} threads']:.2f}x)"
+            if target is None:
+                _host_info(label, extra, f"{r[kind] / cpu1:.2f}x")
+            else:
+                _host_row(label, extra, r[kind] / cpu1, target)
+
+
+def bench_host(rows: list[str] | None = None, quick: bool = False) -> None:
+    """Every ratio issue 12 asks for, side by side in this one process, each with its target (rows that miss it
+    are marked; nothing asserts). Training steps end in loss.item() (each step waited for), the JAX floor in
+    float(loss). Row d runs fresh processes with an empty cache directory (cold) and then the same one (warm)."""
+    rows = list(rows or HOST_ROWS)
+    _HOST_TABLE.clear()
+    print(f"host  platform={torch.tpu.get_device_name()}  torch threads={torch.get_num_threads()}"
+          f"{'  (--quick: few iterations, figures are not meaningful)' if quick else ''}", flush=True)
+    runs = {"eager": lambda: _host_eager(quick),
+            "mlp": lambda: _host_training("host_mlp", quick, fused=True, compiled=False),
+            "gpt": lambda: _host_training("gpt", quick, fused=True, compiled=False),
+            "compiled": lambda: (_host_training("host_mlp", quick, fused=False, compiled=True),
+                                 _host_training("gpt", quick, fused=False, compiled=True)),
+            "sync": lambda: _host_sync(quick), "cold": lambda: _host_cold(quick), "hf": lambda: _host_hf(quick)}
+    for row in rows:
+        t0 = time.perf_counter()
+        try:
+            runs[row]()
+        except Exception as e:  # noqa: BLE001  (one failing row must not hide the others)
+            print(f"  {row}: FAILED ({type(e).__name__}: {str(e)[:300]})", flush=True)
+            _HOST_TABLE.append((row, "FAILED", "", False))
+        print(f"  [{row}: {time.perf_counter() - t0:.0f} s]", flush=True)
+    print("host summary")
+    for name, ratio, target, ok in _HOST_TABLE:
+        mark = "" if ok is None else ("ok" if ok else "MISSES")
+        print(f"  {name:<58} {ratio:>8}  {target:<9} {mark}")
+
+
 BENCHMARKS = {"eager_overhead": bench_eager_overhead, "op_overhead": bench_op_overhead, "training": bench_training,
               "fuse": bench_fuse, "cold_start": bench_cold_start, "compile": bench_compile,
               "all_reduce": bench_all_reduce, "index_checks": bench_index_checks,
-              "threads": bench_threads}
+              "threads": bench_threads, "host": bench_host}
 
 
 def main(argv: list[str]) -> int:
@@ -663,12 +977,21 @@ def main(argv: list[str]) -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", help=f"benchmarks to run (default: all of {', '.join(BENCHMARKS)})")
+    ap.add_argument("--rows", default=None, help=f"host: rows to run (default: all of {', '.join(HOST_ROWS)})")
+    ap.add_argument("--quick", action="store_true", help="host: a few iterations only (checks the benchmark runs)")
     args = ap.parse_args(argv)
     unknown = [n for n in args.names if n not in BENCHMARKS]
     if unknown:
         ap.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
+    rows = args.rows.split(",") if args.rows else None
+    bad = [r for r in rows or () if r not in HOST_ROWS]
+    if bad:
+        ap.error(f"unknown host row(s) {', '.join(bad)}; choose from {', '.join(HOST_ROWS)}")
     for name in args.names or BENCHMARKS:
-        BENCHMARKS[name]()
+        if name == "host":
+            bench_host(rows, args.quick)
+        else:
+            BENCHMARKS[name]()
     return 0
 
 
