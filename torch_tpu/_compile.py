@@ -384,6 +384,9 @@ def _boxed(fn: Callable[[list], Any]) -> Callable[[list], Any]:
     return call
 
 
+_PACKABLE = (torch.float32, torch.float64, torch.int64, torch.int32)  # dtypes of host scalars fed packed
+
+
 def _on_host(val: Any) -> bool:
     """A CPU tensor value (or a tuple of them) in the graph's metadata."""
     if isinstance(val, (tuple, list)):
@@ -446,6 +449,10 @@ class _GraphProgram:
         self.host_feeds = [n for n in host if any(u not in host and u.op != "output" and not
                                                   (_is_mutation(u) and u.args[0] in host and u.args[1] in host)
                                                   for u in n.users)]
+        # Scalar host values of one dtype (an optimizer's step counts) travel as one array: one transfer per call.
+        vals = [n.meta.get("val") for n in self.host_feeds]
+        self.feeds_packed = (len(vals) > 1 and all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in vals)
+                             and len({v.dtype for v in vals}) == 1 and vals[0].dtype in _PACKABLE)
         # Constants held by the graph module (get_attr): read once, fed as extra arguments.
         self.constants: list[Any] = []
         self.constant_nodes: list[torch.fx.Node] = []
@@ -538,7 +545,11 @@ class _GraphProgram:
         n_in, n_host = len(self.tensor_idx), len(self.host_feeds)
         inputs = dict(zip(self.tensor_idx, arrays[:n_in]))
         inputs.update(zip(self.static_idx, statics))
-        env.update(zip(self.host_feeds, arrays[n_in:n_in + n_host]))
+        if self.feeds_packed:
+            env.update((n, arrays[n_in][k]) for k, n in enumerate(self.host_feeds))
+            n_host = 1
+        else:
+            env.update(zip(self.host_feeds, arrays[n_in:n_in + n_host]))
         env.update(zip(self.constant_nodes, arrays[n_in + n_host:]))
         mutations: list[Any] = []
         result: Any = None
@@ -605,6 +616,7 @@ class _GraphProgram:
         constants, index, out_spec = self.constants, self.index, self.out_spec
         out_tuple, out_values = self.out_tuple, self.out_values
         host, host_feeds, host_mutations = self.host, self.host_feeds, self.host_mutations
+        feeds_packed = self.feeds_packed
 
         donate, programs = self.donate, self._programs
         # Mutated tpu inputs written back by one C++ call; the arrays wrapped as new tensors by another.
@@ -614,7 +626,9 @@ class _GraphProgram:
             statics = tuple(args[i] for i in static_idx)
             arrays, mask = _read_inputs([args[i] for i in tensor_idx], donate)
             henv = self._run_host(args) if host else None
-            if host_feeds:
+            if feeds_packed:
+                arrays.append(np.array(torch.stack([henv[n] for n in host_feeds]).numpy(), copy=True))
+            elif host_feeds:
                 arrays += [_read_input(henv[n], index) for n in host_feeds]
             if self.random:
                 seed, offset = _C._philox_step(device_module.default_generators[index], 1)
@@ -625,7 +639,7 @@ class _GraphProgram:
                 counters["tpu"]["xla_programs"] += 1
             checked = _checks.enabled
             if mask:
-                counters["tpu"]["donated_inputs"] += mask.bit_count()
+                counters["tpu_donation"]["inputs"] += mask.bit_count()  # apart: counters["tpu"] counts compiles
             program = programs.get((checked, mask)) or self._program(checked, mask)
             outs, muts, checks = program(statics, *arrays, *constants)
             del arrays  # the donated arrays are gone
