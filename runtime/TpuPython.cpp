@@ -13,6 +13,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <atomic>
 
 namespace torch_tpu {
@@ -263,6 +264,172 @@ PyObject* py_set_whole(PyObject* /*self*/, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
+// ---- torch.compile programs (torch_tpu/_compile.py): one call over all of a graph's inputs or outputs ----
+
+// _whole_arrays(tensors, donate) -> (arrays tuple, donatable bitmask) or None.
+// The device arrays of a compiled graph's tpu inputs when every one views its whole array (else None: the caller
+// reads them one by one). Bit j of the mask is set when the input at position donate[j] may be donated: its
+// storage holds the only reference to the array (DESIGN.md's storage model), counted after this tuple took its own
+// (so an array reaching the program twice, or shared by another storage, is never donated).
+PyObject* py_whole_arrays(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *seq, *donate;
+  if (!PyArg_ParseTuple(args, "OO", &seq, &donate)) return nullptr;
+  if (!PyList_Check(seq) || !PyTuple_Check(donate)) throw py::type_error("_whole_arrays(list, tuple)");
+  Py_ssize_t n = PyList_GET_SIZE(seq);
+  PyObject* out = PyTuple_New(n);
+  if (out == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* a = PyList_GET_ITEM(seq, i);
+    if (!THPVariable_Check(a)) {
+      Py_DECREF(out);
+      Py_RETURN_NONE;
+    }
+    c10::TensorImpl* impl = THPVariable_Unpack(a).unsafeGetTensorImpl();
+    if (impl->device_type() != kTpu || impl->storage_offset() != 0) {
+      Py_DECREF(out);
+      Py_RETURN_NONE;
+    }
+    TpuBuffer* buf = buffer_of(impl->unsafe_storage());
+    resolve_placeholder(buf);
+    PyObject* arr = buf->array;
+    if (arr == nullptr || reinterpret_cast<PyObject*>(Py_TYPE(arr)) != g_array_type ||
+        buf->array_dtype != impl->dtype().toScalarType() || !impl->sizes().equals(buf->array_shape) ||
+        !impl->is_contiguous()) {
+      Py_DECREF(out);
+      Py_RETURN_NONE;
+    }
+    Py_INCREF(arr);
+    PyTuple_SET_ITEM(out, i, arr);
+  }
+  unsigned long long mask = 0;
+  Py_ssize_t nd = PyTuple_GET_SIZE(donate);
+  for (Py_ssize_t j = 0; j < nd && j < 64; ++j) {
+    Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(donate, j));
+    if (i < 0 || i >= n) continue;
+    // References: the storage's and this tuple's. Anything more (another storage sharing the array, the same
+    // array as a second input, a pending fused graph, a Python variable) keeps it.
+    if (Py_REFCNT(PyTuple_GET_ITEM(out, i)) == 2) mask |= 1ULL << j;
+  }
+  return Py_BuildValue("(NK)", out, mask);
+  END_HANDLE_TH_ERRORS
+}
+
+// _write_wholes(tensors, arrays) -> tuple of the positions not written. Each tensor viewing its whole storage
+// with an array of exactly its shape and dtype gets that array swapped in (a compiled graph's mutated inputs);
+// the others are left to the caller's general write (through a view, with a cast).
+PyObject* py_write_wholes(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *seq, *arrays;
+  if (!PyArg_ParseTuple(args, "OO", &seq, &arrays)) return nullptr;
+  if (!collect_if_due()) return nullptr;
+  PyObject* fs = PySequence_Fast(seq, "_write_wholes: expected a sequence of tensors");
+  if (fs == nullptr) return nullptr;
+  PyObject* fa = PySequence_Fast(arrays, "_write_wholes: expected a sequence of arrays");
+  if (fa == nullptr) {
+    Py_DECREF(fs);
+    return nullptr;
+  }
+  Py_ssize_t n = std::min(PySequence_Fast_GET_SIZE(fs), PySequence_Fast_GET_SIZE(fa));
+  PyObject* left = PyList_New(0);
+  auto fail = [&]() {
+    Py_DECREF(fs);
+    Py_DECREF(fa);
+    Py_XDECREF(left);
+    return nullptr;
+  };
+  if (left == nullptr) return fail();
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* obj = PySequence_Fast_GET_ITEM(fs, i);
+    PyObject* array = PySequence_Fast_GET_ITEM(fa, i);
+    bool done = false;
+    if (THPVariable_Check(obj)) {
+      c10::TensorImpl* impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
+      if (impl->device_type() == kTpu && impl->storage_offset() == 0 && impl->is_contiguous()) {
+        TpuBuffer* buf = buffer_of(impl->unsafe_storage());
+        c10::ScalarType st = impl->dtype().toScalarType();
+        if (static_cast<size_t>(impl->numel()) * c10::elementSize(st) == buf->nbytes) {
+          PyObject* npdt = PyObject_GetAttrString(array, "dtype");
+          if (npdt == nullptr) return fail();
+          PyObject* tdt = g_dtype_map ? PyDict_GetItem(g_dtype_map, npdt) : nullptr;
+          Py_DECREF(npdt);
+          if (tdt != nullptr && scalar_type_of(tdt) == st) {
+            std::vector<int64_t> shape = shape_of(array);
+            if (impl->sizes().equals(shape)) {
+              set_buffer_array(buf, array, st, std::move(shape));
+              done = true;
+            }
+          }
+        }
+      }
+    }
+    if (!done) {
+      PyObject* idx = PyLong_FromSsize_t(i);
+      if (idx == nullptr || PyList_Append(left, idx) < 0) {
+        Py_XDECREF(idx);
+        return fail();
+      }
+      Py_DECREF(idx);
+    }
+  }
+  Py_DECREF(fs);
+  Py_DECREF(fa);
+  PyObject* r = PyList_AsTuple(left);
+  Py_DECREF(left);
+  return r;
+  END_HANDLE_TH_ERRORS
+}
+
+// _wrap_all(arrays, device_index) -> tuple of new contiguous tpu tensors, one owning each array (dtypes looked up
+// from the arrays' own, as _wrap with dtype None).
+PyObject* py_wrap_all(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject* arrays;
+  int device;
+  if (!PyArg_ParseTuple(args, "Oi", &arrays, &device)) return nullptr;
+  if (!collect_if_due()) return nullptr;
+  TORCH_CHECK(g_dtype_map != nullptr, "torch_tpu: internal error: dtype map not set");
+  PyObject* fa = PySequence_Fast(arrays, "_wrap_all: expected a sequence of arrays");
+  if (fa == nullptr) return nullptr;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fa);
+  PyObject* out = PyTuple_New(n);
+  if (out == nullptr) {
+    Py_DECREF(fa);
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* array = PySequence_Fast_GET_ITEM(fa, i);
+    PyObject* npdt = PyObject_GetAttrString(array, "dtype");
+    if (npdt == nullptr) {
+      Py_DECREF(fa);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyObject* dtype = PyDict_GetItem(g_dtype_map, npdt);  // borrowed
+    Py_DECREF(npdt);
+    if (dtype == nullptr) {
+      Py_DECREF(fa);
+      Py_DECREF(out);
+      PyErr_SetString(PyExc_TypeError, "torch_tpu: an XLA result has a dtype with no torch equivalent");
+      return nullptr;
+    }
+    c10::ScalarType st = scalar_type_of(dtype);
+    std::vector<int64_t> shape = shape_of(array);
+    int64_t numel = 1;
+    for (int64_t s : shape) numel *= s;
+    size_t nbytes = static_cast<size_t>(numel) * c10::elementSize(st);
+    c10::Storage storage = make_storage(array, st, shape, nbytes, static_cast<c10::DeviceIndex>(device));
+    auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage),
+                                                      c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                                      c10::scalarTypeToTypeMeta(st));
+    t.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
+    PyTuple_SET_ITEM(out, i, THPVariable_Wrap(std::move(t)));
+  }
+  Py_DECREF(fa);
+  return out;
+  END_HANDLE_TH_ERRORS
+}
+
 PyObject* py_set_array_type(PyObject* /*self*/, PyObject* type) {
   Py_INCREF(type);
   Py_XDECREF(g_array_type);
@@ -308,6 +475,9 @@ PyMethodDef kFastMethods[] = {
     {"_wrap", py_wrap, METH_VARARGS, "wrap a device array as a new tpu tensor"},
     {"_set_array", py_set_array, METH_VARARGS, "replace a storage's device array"},
     {"_storage_array", py_storage_array, METH_O, "(array or None, nbytes, device) of a storage"},
+    {"_whole_arrays", py_whole_arrays, METH_VARARGS, "a compiled graph's input arrays and which may be donated"},
+    {"_write_wholes", py_write_wholes, METH_VARARGS, "swap in a compiled graph's mutated inputs' arrays"},
+    {"_wrap_all", py_wrap_all, METH_VARARGS, "wrap a compiled graph's output arrays as new tpu tensors"},
     {nullptr, nullptr, 0, nullptr}};
 
 TpuGeneratorImpl* generator_arg(py::handle gen) {
@@ -319,7 +489,7 @@ TpuGeneratorImpl* generator_arg(py::handle gen) {
 
 }  // namespace
 
-void dispatch_resolve_pending(TpuBuffer* buf) { resolve_pending(buf); }
+void dispatch_resolve_pending(TpuBuffer* buf) { resolve_placeholder(buf); }
 bool dispatch_collect_if_due() { return collect_if_due(); }
 PyObject* dispatch_dtype_map() { return g_dtype_map; }
 

@@ -42,10 +42,9 @@ import torch.fx
 from torch._dynamo.device_interface import DeviceInterface, register_interface_for_device
 from torch._dynamo.utils import counters
 
-from torch_tpu import _C, _checks, _executor, _rng, _runtime, _storage, _trace, device_module
+from torch_tpu import _C, _checks, _executor, _rng, _runtime, _storage, _trace
 from torch_tpu._jax import jax
 from torch_tpu.kernels import registry
-from torch_tpu.kernels._promote import wrap_arrays
 
 aten = torch.ops.aten
 
@@ -55,14 +54,21 @@ __all__ = ["tpu_backend", "decompositions", "TpuInterface"]
 # =====================================================================================================================
 # ---- the boundary with tensors: the only place this module reads, writes or creates tpu tensors ----
 
-def _read_inputs(ts: Sequence[torch.Tensor]) -> list[Any]:
-    """The device arrays of tpu tensor inputs (the per-call path: no checks here). Under DEFER_AND_FUSE a
-    compiled program is its own XLA program: values still pending are computed first."""
+def _read_inputs(ts: list[torch.Tensor], donate: tuple[int, ...] = ()) -> tuple[list[Any], int]:
+    """The device arrays of tpu tensor inputs (the per-call path: no checks here), and a bitmask over `donate`
+    (positions in `ts` of inputs the program writes back): bit j set when input donate[j]'s array may be donated
+    to the program, its storage holding the only reference (DESIGN.md's storage model). One C++ call when every
+    input views its whole array; else one by one, donating nothing. Under DEFER_AND_FUSE a compiled program is its
+    own XLA program: values still pending are computed first."""
+    if not _executor.recording():
+        fast = _C._whole_arrays(ts, donate)
+        if fast is not None:
+            return list(fast[0]), fast[1]
     read = _storage.read
     arrays = [read(t) for t in ts]
     if _executor.recording():
         arrays = [_executor.concrete(a, "compiled_graph") for a in arrays]
-    return arrays
+    return arrays, 0
 
 
 def _read_input(t: torch.Tensor, index: int) -> Any:
@@ -85,9 +91,16 @@ def _write_mutation(t: torch.Tensor, value: Any) -> None:
         t.copy_(_cpu_output(value))
 
 
-def _wrap_output(value: Any, index: int) -> torch.Tensor:
-    """A new tpu tensor owning the program's output array."""
-    return wrap_arrays(value, index)
+def _write_mutations(ts: list[torch.Tensor], values: Sequence[Any]) -> None:
+    """Writes the new values of mutated graph inputs: one C++ call swaps in the arrays of inputs that view their
+    whole storage; the others (views, CPU inputs) are written one by one."""
+    for i in _C._write_wholes(ts, values):
+        _write_mutation(ts[i], values[i])
+
+
+def _wrap_outputs(values: Sequence[Any], index: int) -> tuple[torch.Tensor, ...]:
+    """New tpu tensors owning the program's output arrays (one C++ call)."""
+    return _C._wrap_all(values, index)
 
 
 def _cpu_output(value: Any) -> torch.Tensor:
@@ -371,6 +384,9 @@ def _boxed(fn: Callable[[list], Any]) -> Callable[[list], Any]:
     return call
 
 
+_PACKABLE = (torch.float32, torch.float64, torch.int64, torch.int32)  # dtypes of host scalars fed packed
+
+
 def _on_host(val: Any) -> bool:
     """A CPU tensor value (or a tuple of them) in the graph's metadata."""
     if isinstance(val, (tuple, list)):
@@ -433,6 +449,10 @@ class _GraphProgram:
         self.host_feeds = [n for n in host if any(u not in host and u.op != "output" and not
                                                   (_is_mutation(u) and u.args[0] in host and u.args[1] in host)
                                                   for u in n.users)]
+        # Scalar host values of one dtype (an optimizer's step counts) travel as one array: one transfer per call.
+        vals = [n.meta.get("val") for n in self.host_feeds]
+        self.feeds_packed = (len(vals) > 1 and all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in vals)
+                             and len({v.dtype for v in vals}) == 1 and vals[0].dtype in _PACKABLE)
         # Constants held by the graph module (get_attr): read once, fed as extra arguments.
         self.constants: list[Any] = []
         self.constant_nodes: list[torch.fx.Node] = []
@@ -476,14 +496,34 @@ class _GraphProgram:
         # Random ops (dropout...): each call draws a (seed, offset) from the device's tpu generator, as eager does.
         self.random = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
                           and torch.Tag.nondeterministic_seeded in n.target.tags for n in self.nodes)
-        # Two programs: with the index checks (the default) and without (the unsafe opt-out, see _checks).
-        if self.tensor_idx:  # the program runs where its inputs are
-            self.jitted, self.unchecked = (jax.jit(self._run, static_argnums=0) for _ in range(2))
-        else:  # nothing to follow: place the outputs on the graph's device
-            where = jax.sharding.SingleDeviceSharding(_runtime.device(self.index))
-            self.jitted, self.unchecked = (jax.jit(self._run, static_argnums=0, out_shardings=where)
-                                           for _ in range(2))
+        # Donation: a tpu input the program writes back whole (optimizer state, parameters, running stats) gives
+        # its buffer to the program for the new value, when its storage holds the only reference (checked per
+        # call, _read_inputs); positions in tensor_idx, in the order of the donation bitmask.
+        pos_in = {p: k for k, p in enumerate(self.tensor_idx)}
+        donate = []
+        for n in mutations:
+            if n not in self.device_mutations or self.placeholder_pos[n.args[0]] not in pos_in:
+                continue
+            dst = n.args[0].meta.get("val")
+            if isinstance(dst, torch.Tensor) and not _symbolic(dst):
+                donate.append(pos_in[self.placeholder_pos[n.args[0]]])
+        self.donate = tuple(dict.fromkeys(donate))[:64]
+        # Programs by (index checks on, donation bitmask): with the index checks (the default) and without (the
+        # unsafe opt-out, see _checks); one per set of donated inputs (in a steady loop: all of them).
+        self._programs: dict[tuple[bool, int], Any] = {}
+        self.jitted, self.unchecked = self._program(True, 0), self._program(False, 0)
         self.dumped: set[tuple] = set()
+
+    def _program(self, checked: bool, mask: int) -> Any:
+        prog = self._programs.get((checked, mask))
+        if prog is None:
+            kwargs: dict[str, Any] = {"static_argnums": 0}
+            if mask:
+                kwargs["donate_argnums"] = tuple(1 + k for j, k in enumerate(self.donate) if mask >> j & 1)
+            if not self.tensor_idx:  # nothing to follow: place the outputs on the graph's device
+                kwargs["out_shardings"] = jax.sharding.SingleDeviceSharding(_runtime.device(self.index))
+            prog = self._programs[(checked, mask)] = jax.jit(self._run, **kwargs)
+        return prog
 
     # -- the traced function: the FX interpreter over JAX values --
     def _run(self, statics: tuple, *arrays: Any) -> tuple[tuple, tuple, dict]:
@@ -501,7 +541,11 @@ class _GraphProgram:
         n_in, n_host = len(self.tensor_idx), len(self.host_feeds)
         inputs = dict(zip(self.tensor_idx, arrays[:n_in]))
         inputs.update(zip(self.static_idx, statics))
-        env.update(zip(self.host_feeds, arrays[n_in:n_in + n_host]))
+        if self.feeds_packed:
+            env.update((n, arrays[n_in][k]) for k, n in enumerate(self.host_feeds))
+            n_host = 1
+        else:
+            env.update(zip(self.host_feeds, arrays[n_in:n_in + n_host]))
         env.update(zip(self.constant_nodes, arrays[n_in + n_host:]))
         mutations: list[Any] = []
         result: Any = None
@@ -568,12 +612,19 @@ class _GraphProgram:
         constants, index, out_spec = self.constants, self.index, self.out_spec
         out_tuple, out_values = self.out_tuple, self.out_values
         host, host_feeds, host_mutations = self.host, self.host_feeds, self.host_mutations
+        feeds_packed = self.feeds_packed
+
+        donate, programs = self.donate, self._programs
+        # Mutated tpu inputs written back by one C++ call; the arrays wrapped as new tensors by another.
+        wrapped = [s[1] for s in out_spec if s[0] == "array" and not s[3]]
 
         def call(args: list) -> Any:
             statics = tuple(args[i] for i in static_idx)
-            arrays = _read_inputs([args[i] for i in tensor_idx])
+            arrays, mask = _read_inputs([args[i] for i in tensor_idx], donate)
             henv = self._run_host(args) if host else None
-            if host_feeds:
+            if feeds_packed:
+                arrays.append(np.array(torch.stack([henv[n] for n in host_feeds]).numpy(), copy=True))
+            elif host_feeds:
                 arrays += [_read_input(henv[n], index) for n in host_feeds]
             if self.random:
                 arrays += _rng.program_draw(index)
@@ -581,20 +632,26 @@ class _GraphProgram:
                 self._dump(statics, arrays)
             if statics not in out_values:
                 counters["tpu"]["xla_programs"] += 1
-            outs, muts, checks = (self.jitted if _checks.enabled else self.unchecked)(statics, *arrays, *constants)
+            checked = _checks.enabled
+            if mask:
+                counters["tpu_donation"]["inputs"] += mask.bit_count()  # apart: counters["tpu"] counts compiles
+            program = programs.get((checked, mask)) or self._program(checked, mask)
+            outs, muts, checks = program(statics, *arrays, *constants)
+            del arrays  # the donated arrays are gone
             if checks:
                 _checks.register(checks)
             for i, node in host_mutations:
                 _write_host_mutation(args[i], henv[node])
-            for i, m in zip(mutated, muts):
-                _write_mutation(args[i], m)
+            if mutated:
+                _write_mutations([args[i] for i in mutated], muts)
+            tensors = dict(zip(wrapped, _wrap_outputs([outs[k] for k in wrapped], index))) if wrapped else None
             results = []
             for spec in out_spec:
                 kind = spec[0]
                 if kind == "array" and spec[3]:
                     results.append(_cpu_output(outs[spec[1]]))
                 elif kind == "array":
-                    t = _wrap_output(outs[spec[1]], index)
+                    t = tensors[spec[1]]
                     plan = spec[2]
                     if plan is not None:  # back to the logical order, with the expected strides
                         t = t.permute(tuple(plan.index(d) for d in range(len(plan))))
