@@ -27,9 +27,9 @@ def _hits(fn, *args, times: int = 3):
 
 
 def _kernel(name: str):
-    from torch_tpu.kernels import registry
+    from torch_tpu import _eager
 
-    return registry.KERNELS[name]
+    return _eager.KERNELS[name]
 
 
 def test_functional_hits_match_cpu_and_use_the_cache() -> None:
@@ -274,14 +274,14 @@ def test_defer_and_fuse_still_records() -> None:
 
 
 def test_launch_blocking_waits_after_each_op(monkeypatch) -> None:
-    from torch_tpu import _deferred
+    from torch_tpu import _executor
 
     x = torch.randn(8, device="tpu")
     for _ in range(3):
         x + x
     waited = []
-    real = _deferred.block_arrays
-    monkeypatch.setattr(_deferred, "block_arrays", lambda out: (waited.append(1), real(out))[1])
+    real = _executor.block_arrays
+    monkeypatch.setattr(_executor, "block_arrays", lambda out: (waited.append(1), real(out))[1])
     torch.tpu.eager_mode = EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
     for _ in range(3):
         y = x + x
@@ -341,7 +341,7 @@ print("ok")
 
 
 def test_index_ops_declare_their_checks_and_undeclared_reports_fail_loudly() -> None:
-    from torch_tpu import _checks
+    from torch_tpu import _checks, _eager
     from torch_tpu.kernels import registry
 
     # Every eager lowering whose trace reports a check declares it (the index ops keep raising: test_index_checks)
@@ -359,19 +359,19 @@ def test_index_ops_declare_their_checks_and_undeclared_reports_fail_loudly() -> 
         return jnp.take(self, index)
 
     lowering = registry.Lowering("undeclared.test", undeclared, None, (), True, False)
-    jitted = registry._jit(lowering, lambda a, i: lowering.fn(a, i))
+    jitted = _eager._jit(lowering, lambda a, i: lowering.fn(a, i))
     arr, idx = jnp.arange(3.0), jnp.array([1])
     with pytest.raises(RuntimeError, match=r"aten::undeclared.test.*my_gather.*checks=True"):
         jitted(arr, idx)
     old = _checks.set_enabled(False)
     try:
         with pytest.raises(RuntimeError, match="checks=True"):  # even with the checks turned off
-            registry._jit(lowering, lambda a, i: lowering.fn(a, i))(arr, idx)
+            _eager._jit(lowering, lambda a, i: lowering.fn(a, i))(arr, idx)
     finally:
         _checks.set_enabled(old)
     declared = dataclasses_replace(lowering, checks=True)
     before = _checks.pending_count()
-    out = registry._jit(declared, lambda a, i: declared.fn(a, i))(arr, jnp.array([7]))
+    out = _eager._jit(declared, lambda a, i: declared.fn(a, i))(arr, jnp.array([7]))
     assert out.shape == (1,) and _checks.pending_count() == before + 1
     with pytest.raises(IndexError, match="my_gather"):
         _checks.raise_pending()
