@@ -211,9 +211,27 @@ def concrete(x: Any, reason: str = "value_needed") -> Any:
 
 # ---- the pending graph ----
 
+class _Trace:
+    """The recorded structure of a flushed graph, for replaying a step whose structure repeats: per node its
+    (fn key, arg specs, arg signature, node info). A graph that starts recording predicts the trace that followed
+    the previous one in the same slot (thread, device); while each op matches the prediction at its position, its
+    node info is taken from the trace (no key hashing or lookup), and a graph that matched to the end runs the
+    trace's program (its key `id` was computed once). The first op that differs, in function, static args, input
+    structure, shape or dtype, leaves the prediction for good and records normally (Python scalars are inputs:
+    their values never take part)."""
+
+    __slots__ = ("id", "keys", "entries", "next")
+
+    def __init__(self, keys: tuple, entries: list) -> None:
+        self.id = next(_ids)
+        self.keys = keys
+        self.entries = entries
+        self.next: _Trace | None = None  # the trace flushed after this one last time in the same slot
+
+
 class _Graph:
     __slots__ = ("owner", "index", "inputs", "input_pos", "nodes", "keys", "pendings", "done", "run_lock",
-                 "__weakref__")
+                 "trace", "entries", "__weakref__")
 
     def __init__(self, owner: int, index: int) -> None:
         self.owner = owner  # the thread recording it (runtime/TpuMode.cpp's id)
@@ -226,6 +244,9 @@ class _Graph:
         self.nodes: list[tuple[Callable[..., Any], tuple, Any]] = []  # (fn, arg specs, output treedef)
         self.keys: list[int] = []  # structural id per node (see _nodes)
         self.pendings: list[weakref.ref] = []  # every placeholder handed out, in order
+        # The predicted trace while every op so far matched it (None once one did not, or without one).
+        self.trace: _Trace | None = _predicted.get((owner, index))
+        self.entries: list[tuple] = []  # (fn key, specs, signature, node info) per node: this graph's trace
 
 
 _graphs: dict[tuple[int, int], _Graph] = {}  # (owner thread, device index) -> the graph recording there
@@ -238,6 +259,12 @@ _node_text: dict[int, str | None] = {}  # node id -> stable text of its key (Non
 # so a workload whose graphs keep changing does not hold every executable it ever compiled.
 _fused: collections.OrderedDict[tuple, Callable[..., Any]] = collections.OrderedDict()
 _SCALARS = (bool, int, float, complex)
+# Traces of flushed graphs by their node ids (oldest first, capped like _fused), and per slot (owner thread, device
+# index) the trace the next graph there is predicted to follow and the one flushed last.
+_traces: dict[tuple, _Trace] = {}
+_predicted: dict[tuple[int, int], _Trace] = {}
+_last_trace: dict[tuple[int, int], _Trace] = {}
+_first: dict[tuple, _Trace] = {}  # a first op's (fn key, specs, signature) -> the trace flushed last that began with it
 
 
 def _env_count(name: str) -> int:
@@ -300,8 +327,10 @@ class _Transfer(Exception):
 def _input(g: _Graph, a: Any) -> tuple[tuple, Any]:
     found = g.input_pos.get(id(a))
     if found is None:
-        found = g.input_pos[id(a)] = (("i", len(g.inputs)), (tuple(a.shape), a.dtype,
-                                                              bool(getattr(a, "weak_type", False))))
+        aval = getattr(a, "aval", None)  # a jax.Array's: reading its fields is cheaper than its properties
+        sig = (aval.shape, aval.dtype, aval.weak_type) if aval is not None else \
+            (tuple(a.shape), a.dtype, bool(getattr(a, "weak_type", False)))
+        found = g.input_pos[id(a)] = (("i", len(g.inputs)), sig)
         g.inputs.append(a)
     return found
 
@@ -375,18 +404,30 @@ def _record(index: int, fkey: Any, fn: Callable[..., Any], args: tuple | list) -
                 sig_l.append(sg)
         specs = tuple(specs_l)
         sig = tuple(sig_l)
-        nkey = (fkey, specs, sig)
-        info = _nodes.get(nkey)
-        if info is None:
-            info = _nodes[nkey] = _node_info(fkey, fn, specs, sig, g.inputs)
-            _node_text[info[0]] = info[3]
+        node = len(g.nodes)
+        tr = g.trace
+        if tr is not None and node < len(tr.entries) and (e := tr.entries[node])[0] == fkey and e[1] == specs \
+                and e[2] == sig:
+            entry = e  # the op the trace predicted here: its node info, without hashing its key
+        else:
+            g.trace = None  # diverged (or longer than the trace): record normally from here on
+            nkey = (fkey, specs, sig)
+            info = _nodes.get(nkey)
+            if info is None:
+                info = _nodes[nkey] = _node_info(fkey, fn, specs, sig, g.inputs)
+                _node_text[info[0]] = info[3]
+            entry = (fkey, specs, sig, info)
+            if node == 0:  # mispredicted at the start: the last trace that began with this op, if any
+                cand = _first.get(nkey)
+                if cand is not None and cand.entries:
+                    g.trace = cand
     except BaseException:
         _truncate_inputs(g, n_inputs)
         raise
-    node_id, metas, treedef, _ = info
-    node = len(g.nodes)
+    node_id, metas, treedef, _ = entry[3]
     g.nodes.append((fn, specs, treedef))
     g.keys.append(node_id)
+    g.entries.append(entry)
     pendings = g.pendings
     if treedef is None:
         result = Pending(g, node, 0, metas[0])
@@ -481,13 +522,24 @@ def flush(g: _Graph | None, reason: str) -> None:
             if _graphs.get(key) is g:
                 del _graphs[key]  # recording from here on starts a new graph
             alive = [p for r in g.pendings if (p := r()) is not None and p.value is None]
-        _metrics.flush(reason, len(g.nodes), len(alive))
+            tr = g.trace
+            replayed = tr is not None and len(tr.entries) == len(g.nodes)
+            tr = _follow(key, tr if replayed else None, g)
+        _metrics.flush(reason, len(g.nodes), len(alive), replayed)
         if not alive:
             g.done = True
             return  # nothing can read any result: nothing to run
-        outs = tuple((p.node, p.out) for p in alive)
-        donate = _donatable(g.inputs, alive)
-        key = (tuple(g.keys), outs, donate, _checks.enabled)
+        single = len(g.nodes) == 1
+        if single:
+            # One op (sync-heavy code: an op, then a read of its result): a program of all its outputs, keyed by
+            # its node id (and what it may donate: an in-place op's old buffer), not by a fused graph key.
+            outs = tuple((0, j) for j in range(len(g.entries[0][3][1])))
+            donate = _donatable(g.inputs, alive)
+            key = (g.keys[0], donate, _checks.enabled)
+        else:
+            outs = tuple((p.node, p.out) for p in alive)
+            donate = _donatable(g.inputs, alive)
+            key = (tr.id, outs, donate, _checks.enabled)  # the trace's id stands for its node ids
         results = checks = None
         try:
             with _lock:
@@ -501,7 +553,7 @@ def flush(g: _Graph | None, reason: str) -> None:
                     if len(_fused) > _FUSED_CAP:
                         _fused.popitem(last=False)
             out = fn(*g.inputs)
-            results, checks = out
+            results, checks = ([out[0][p.out] for p in alive], out[1]) if single else out
         except Exception as e:
             g.done = True
             for p in alive:
@@ -524,6 +576,30 @@ def flush(g: _Graph | None, reason: str) -> None:
             raise
         _resolve(g, alive, results)
     _checks.register(checks)
+
+
+def _follow(slot: tuple[int, int], tr: _Trace | None, g: _Graph) -> _Trace:
+    """Under _lock, as graph `g` of `slot` flushes: its trace (`tr` when it replayed one, else found by its node ids
+    or made), linked after the slot's previous trace; the slot's next graph is predicted to follow what followed
+    this trace last time (a step that flushes twice alternates between two traces), else this trace again."""
+    if tr is None:
+        keys = tuple(g.keys)
+        tr = _traces.get(keys)
+        if tr is None:
+            tr = _traces[keys] = _Trace(keys, g.entries)
+            if len(_traces) > 2 * _FUSED_CAP:
+                old = _traces.pop(next(iter(_traces)))
+                if _first.get(old.entries[0][:3]) is old:
+                    del _first[old.entries[0][:3]]
+                old.entries, old.next = [], None  # inert: nothing can match it, it holds nothing
+        _first[tr.entries[0][:3]] = tr  # (a replayed trace is there already unless another one flushed since)
+    last = _last_trace.get(slot)
+    if last is not None and last.entries:  # (last is tr: the step repeats itself)
+        last.next = tr
+    _last_trace[slot] = tr
+    nxt = tr.next
+    _predicted[slot] = nxt if nxt is not None and nxt.entries else tr
+    return tr
 
 
 def _resolve(g: _Graph, alive: list[Pending], results: list[Any]) -> None:
@@ -582,7 +658,9 @@ def _fused_program(g: _Graph, outs: tuple, donate: tuple[int, ...]) -> Callable[
     replay.__name__ = f"torch_tpu_fused_{len(g.nodes)}_ops"
     jitted = jax.jit(replay, out_shardings=jax.sharding.SingleDeviceSharding(device), donate_argnums=donate)
     _metrics.fused_compile()
-    if structure is None:
+    if structure is None or len(g.nodes) == 1:
+        # A one-op graph (sync-heavy code: an op, then a read) runs like the eager op: through jax.jit's own
+        # dispatch, which calls faster than a loaded executable, and not written to the disk store.
         return jitted
     return compile_cache.compile_program(structure, device, jitted, g.inputs)
 

@@ -22,7 +22,7 @@ from typing import Any
 _lock = threading.Lock()
 _flushes: collections.Counter[str] = collections.Counter()
 _counts = {"compiles": 0, "compile_seconds": 0.0, "fused_graph_compiles": 0, "fused_graph_runs": 0,
-           "fused_ops": 0, "fused_outputs": 0, "persistent_cache_hits": 0}
+           "fused_ops": 0, "fused_outputs": 0, "fused_replays": 0, "persistent_cache_hits": 0}
 _listening = False
 
 
@@ -39,6 +39,7 @@ class Metrics:
     fused_graph_runs: int  # DEFER_AND_FUSE graphs run
     fused_ops: int  # ops recorded into fused graphs
     fused_outputs: int  # values fused graphs materialised (results no tensor refers to any more are not)
+    fused_replays: int  # DEFER_AND_FUSE graphs recorded by replaying the trace of an earlier graph to its end
     flushes: dict[str, int]  # DEFER_AND_FUSE flushes by reason
     cpu_fallbacks: dict[str, int]  # ops run through the opt-in CPU fallback, by aten overload
 
@@ -64,6 +65,7 @@ def metrics() -> Metrics:
         fused_graph_runs=c["fused_graph_runs"],
         fused_ops=c["fused_ops"],
         fused_outputs=c["fused_outputs"],
+        fused_replays=c["fused_replays"],
         flushes=flushes,
         cpu_fallbacks=dict(_C._fallback_counts()),
     )
@@ -84,11 +86,13 @@ def tick() -> None:
     epoch += 1
 
 
-def flush(reason: str, n_ops: int, n_outputs: int) -> None:
+def flush(reason: str, n_ops: int, n_outputs: int, replayed: bool = False) -> None:
     tick()
     with _lock:
         _flushes[reason] += 1
         _counts["fused_ops"] += n_ops
+        if replayed:
+            _counts["fused_replays"] += 1
         if n_outputs:
             _counts["fused_graph_runs"] += 1
             _counts["fused_outputs"] += n_outputs
