@@ -20,6 +20,7 @@ from torch_tpu.kernels.registry import Lowering
 
 TENSOR, OPT_TENSOR, TENSOR_LIST, SCALAR, STATIC, GENERATOR = range(6)
 _DYNAMIC = (TENSOR, OPT_TENSOR, TENSOR_LIST, SCALAR)
+_NUMBER_TYPES = (bool, int, float, complex)
 
 
 def _kind(arg: Any) -> int:
@@ -136,6 +137,9 @@ class Signature:
 
         def run(*dyn: Any) -> Any:
             vals = [dyn[i] if kinds[i] in _DYNAMIC else static[i] for i in range(len(kinds))]
+            if lowering.validate is not None:  # the operands as given: a number of its type for each Python number
+                lowering.validate(**{n: static[i](0) if kinds[i] in _DYNAMIC and static[i] in _NUMBER_TYPES
+                                     else vals[i] for i, n in enumerate(names)})
             result_dtype = None
             kind = lowering.promote
             if callable(kind):

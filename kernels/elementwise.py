@@ -21,7 +21,17 @@ def add(self: Any, other: Any, alpha: Any = 1) -> Any:
     return self + other * alpha if not _is_bool(self) else jnp.logical_or(self, jnp.logical_and(other, alpha))
 
 
-@lower("sub.Tensor", "sub.Scalar", promote=DEFAULT)
+def _sub_check(self: Any, other: Any, **_: Any) -> None:
+    """PyTorch's sub_check, on the operands' own dtypes (promotion would turn bool - 1 into an integer op)."""
+    if _is_bool(self) and _is_bool(other):
+        raise RuntimeError("Subtraction, the `-` operator, with two bool tensors is not supported. "
+                           "Use the `^` or `logical_xor()` operator instead.")
+    if _is_bool(self) or _is_bool(other):
+        raise RuntimeError("Subtraction, the `-` operator, with a bool tensor is not supported. "
+                           "If you are trying to invert a mask, use the `~` or `logical_not()` operator instead.")
+
+
+@lower("sub.Tensor", "sub.Scalar", promote=DEFAULT, validate=_sub_check)
 def sub(self: Any, other: Any, alpha: Any = 1) -> Any:
     if _is_bool(self):
         raise RuntimeError(
@@ -31,7 +41,7 @@ def sub(self: Any, other: Any, alpha: Any = 1) -> Any:
     return self - other * alpha
 
 
-@lower("rsub.Tensor", "rsub.Scalar", promote=DEFAULT)
+@lower("rsub.Tensor", "rsub.Scalar", promote=DEFAULT, validate=_sub_check)
 def rsub(self: Any, other: Any, alpha: Any = 1) -> Any:
     return sub(other, self, alpha)
 

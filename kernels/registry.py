@@ -51,6 +51,10 @@ class Lowering:
     # its eager programs run through _checks.jit, which collects them. Without it, eager calls run the bare
     # jax.jit callable, and a report from an undeclared lowering fails its trace (a check is never dropped).
     checks: bool = False
+    # Checks of the arguments as given, before promotion (PyTorch's argument checks that depend on the operands'
+    # own dtypes, e.g. sub on bool): called at trace time with the arguments by name, a Python number of its type
+    # standing for each Scalar; it raises PyTorch's error.
+    validate: Callable[..., None] | None = None
 
 
 LOWERINGS: dict[str, Lowering] = {}
@@ -71,13 +75,14 @@ def lower(
     broadcasts: bool = True,
     trace_only: bool = False,
     checks: bool = False,
+    validate: Callable[..., None] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         for name in names:
             if name in LOWERINGS or name in DIRECT:
                 raise RuntimeError(f"torch_tpu: aten::{name} is registered twice")
             LOWERINGS[name] = Lowering(name, fn, promote, tuple(promote_args), jit, variants, cpu_tensors,
-                                       broadcasts, trace_only, checks)
+                                       broadcasts, trace_only, checks, validate)
         return fn
 
     return deco

@@ -73,6 +73,18 @@ def test_unsupported_layout_and_dtype_errors() -> None:
         torch.ones(2, dtype=torch.bool, device="tpu") - torch.ones(2, dtype=torch.bool, device="tpu")
 
 
+@pytest.mark.parametrize("fn", [lambda b: b - 1, lambda b: b - 1.5, lambda b: 2 - b, lambda b: torch.sub(b.float(), True),
+                                lambda b: torch.rsub(b, 1), lambda b: b.float().sub_(b)])
+def test_sub_with_one_bool_operand_is_refused_like_cpu(fn) -> None:
+    """PyTorch checks the operands' own dtypes: promotion must not turn `bool - 1` into an integer subtraction."""
+    b = torch.tensor([True, False])
+    with pytest.raises(RuntimeError, match="with a bool tensor is not supported") as cpu:
+        fn(b)
+    with pytest.raises(RuntimeError, match="with a bool tensor is not supported") as tpu:
+        fn(b.to("tpu")).cpu()
+    assert str(tpu.value).split(" If")[0] == str(cpu.value).split(" If")[0]
+
+
 def _setup_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_TPU")}
     env.update(extra)

@@ -17,7 +17,7 @@ from conftest import REPO
 # Top-level folder -> import path (DESIGN.md: `torch_tpu.<x>` lives in `<x>/`).
 _FOLDERS = {"torch_tpu": "torch_tpu", "kernels": "torch_tpu.kernels", "distributed": "torch_tpu.distributed",
             "compile_cache": "torch_tpu.compile_cache"}
-_EXECUTORS = {"torch_tpu._deferred", "torch_tpu._eager", "torch_tpu._compile", "torch_tpu._trace"}
+_EXECUTORS = {"torch_tpu._deferred", "torch_tpu._eager", "torch_tpu._foreach", "torch_tpu._compile", "torch_tpu._trace"}
 
 
 def _module_name(path: Path) -> str:

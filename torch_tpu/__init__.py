@@ -34,7 +34,7 @@ __version__ = "0.2.0"
 
 
 def _setup() -> None:
-    from torch_tpu import _config, _deferred, _eager, _programs, _runtime, _storage, device_module
+    from torch_tpu import _config, _deferred, _eager, _foreach, _programs, _runtime, _storage, device_module
 
     torch.utils.rename_privateuse1_backend("tpu")
     torch._register_device_module("tpu", device_module)
@@ -43,6 +43,7 @@ def _setup() -> None:
     )
     _C._set_callbacks(_runtime.start, _storage.resize_array, device_module._synchronize)
     _eager.install()  # the table's lowerings (torch_tpu.kernels) as PrivateUse1 kernels
+    _foreach.install()  # _foreach_* overloads: one program over the list instead of PyTorch's per-tensor loop
     _C._set_resolver(_deferred.resolve)  # the storage accessors' placeholder contract (runtime/TpuPython.cpp)
     _programs.register_cache(_deferred.drop_programs)  # the program collector drops the fused programs too
     _deferred.mode_from_env()

@@ -59,6 +59,7 @@ from torch_tpu import _C  # noqa: E402
 current_mode = _C._mode
 recording = _C._recording
 _lock = threading.RLock()  # graph bookkeeping only: never held while a program compiles or runs
+_ids = itertools.count(1)  # trace ids (_Trace)
 _LOCAL = "<process-local>"  # marks a structural key that is only meaningful in this process
 
 
