@@ -29,13 +29,14 @@ if ! command -v bazel >/dev/null 2>&1; then
   fi
 fi
 
-# 3. The venv with pinned torch/jax. Probes run with -P: from the repo root the source folder torch_tpu/ would
-# otherwise shadow the installed wheel that `import torch` autoloads.
+# 3. The venv with pinned torch/jax. Probes run with -P (from the repo root the source folder torch_tpu/ would
+# otherwise shadow the installed wheel) and without the backend autoload, so that a broken installed torch_tpu
+# (the very thing this script rebuilds) cannot stop it.
 if [ ! -x "$VENV/bin/python" ]; then
   say "creating $VENV"
   "$PY" -m venv "$VENV"
 fi
-have_torch="$("$VENV/bin/python" -P -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)"
+have_torch="$(TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$VENV/bin/python" -P -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)"
 if [ -n "$have_torch" ] && [ "$have_torch" != "$REQUIRED_TORCH" ]; then
   die "the venv $VENV has torch $have_torch, but torch_tpu is built for torch==$REQUIRED_TORCH. Remove the venv ('rm -rf $VENV') and rerun, or 'pip install torch==$REQUIRED_TORCH' into it."
 fi
@@ -52,7 +53,7 @@ then
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r tools/requirements.txt >&2 \
     || die "pip could not install tools/requirements.txt into $VENV."
 fi
-have_torch="$("$VENV/bin/python" -P -c 'import torch; print(torch.__version__.split("+")[0])')"
+have_torch="$(TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$VENV/bin/python" -P -c 'import torch; print(torch.__version__.split("+")[0])')"
 [ "$have_torch" = "$REQUIRED_TORCH" ] || die "pip installed torch $have_torch, torch_tpu needs torch==$REQUIRED_TORCH (CPU build)."
 
 [ "${TORCH_TPU_SKIP_BUILD:-0}" = "1" ] && exit 0
