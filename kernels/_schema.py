@@ -8,7 +8,7 @@ Helpers beside the table; kernels never need them.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -98,6 +98,20 @@ def _is_scalar_list(arg: Any) -> bool:
 
 
 # ---- a lowering bound to its schema ----
+
+def bind_arguments(name: str, arguments: Sequence[Any], args: Sequence[Any], kwargs: dict[str, Any]) -> list:
+    """The values of schema `arguments` for a call of aten::`name`: positional `args`, then each later argument
+    from `kwargs` or its default."""
+    vals = list(args)
+    for a in arguments[len(vals):]:
+        if a.name in kwargs:
+            vals.append(kwargs[a.name])
+        elif a.has_default_value():
+            vals.append(a.default_value)
+        else:
+            raise TypeError(f"aten::{name}: missing argument {a.name!r}")
+    return vals
+
 
 class Signature:
     """Lowering `lowering` bound to aten overload `op`'s schema (the eager executor's OpKernel extends it)."""

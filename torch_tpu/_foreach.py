@@ -21,7 +21,8 @@ import torch
 
 from torch_tpu import _C, _executor, _metrics, _runtime, _storage, _trace
 from torch_tpu.kernels._promote import _check_cast, wrap_arrays
-from torch_tpu.kernels._schema import OPT_TENSOR, SCALAR, STATIC, TENSOR, TENSOR_LIST, _find_variants, _kind, _overload
+from torch_tpu.kernels._schema import (OPT_TENSOR, SCALAR, STATIC, TENSOR, TENSOR_LIST, _find_variants, _kind, _overload,
+                                       bind_arguments)
 
 # The elementwise families whose foreach forms get a program (the reductions, e.g. _foreach_norm, keep PyTorch's
 # loop: their element overloads take other arguments).
@@ -48,15 +49,7 @@ class ForeachKernel:
         self._progs: dict[Any, Any] = {}
 
     def bind(self, args: tuple, kwargs: dict) -> list:
-        vals = list(args)
-        for a in self.args[len(vals):]:
-            if a.name in kwargs:
-                vals.append(kwargs[a.name])
-            elif a.has_default_value():
-                vals.append(a.default_value)
-            else:
-                raise TypeError(f"aten::{self.name}: missing argument {a.name!r}")
-        return vals
+        return bind_arguments(self.name, self.args, args, kwargs)
 
     def loop(self, vals: list, n: int) -> Any:
         """PyTorch's per-tensor loop (its composite foreach kernel)."""

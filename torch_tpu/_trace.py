@@ -26,6 +26,7 @@ from torch_tpu.kernels._schema import (
     _is_scalar_list,
     _kind,
     _overload,
+    bind_arguments,
     overload_name,
 )
 from torch_tpu.kernels.registry import LOWERINGS
@@ -125,14 +126,6 @@ def _trace_foreach(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> li
             "traced: add a lowering for it (docs/adding_kernels.md)"
         )
     cand, per_elem = target
-    schema_args = _overload(name)._schema.arguments
-    vals = list(args)
-    for a in schema_args[len(vals):]:
-        if a.name in kwargs:
-            vals.append(kwargs[a.name])
-        elif a.has_default_value():
-            vals.append(a.default_value)
-        else:
-            raise TypeError(f"aten::{name}: missing argument {a.name!r}")
+    vals = bind_arguments(name, _overload(name)._schema.arguments, args, kwargs)
     n = len(next(v for v, p in zip(vals, per_elem) if p))
     return [trace_call(cand, [v[i] if p else v for v, p in zip(vals, per_elem)], {}) for i in range(n)]
