@@ -241,26 +241,32 @@ PyObject* py_fast_args(PyObject* /*self*/, PyObject* args) {
 // _set_whole(t, array) -> bool: when `t` views its whole storage (offset 0, contiguous, all bytes) and
 // `array` has exactly t's shape and dtype, the storage now holds `array` (True). Else nothing changes (False).
 // The in-place fast path: a broadcast or dtype mismatch falls back to the checked slow path.
+// The check and swap both take: 1 when `impl` views its whole storage and `array` has exactly its shape and dtype
+// (the storage now holds `array`), 0 when not (nothing changes), -1 with a Python error set.
+int swap_whole(c10::TensorImpl* impl, PyObject* array) {
+  if (impl->device_type() != kTpu || impl->storage_offset() != 0 || !impl->is_contiguous()) return 0;
+  TpuBuffer* buf = buffer_of(impl->unsafe_storage());
+  c10::ScalarType st = impl->dtype().toScalarType();
+  if (static_cast<size_t>(impl->numel()) * c10::elementSize(st) != buf->nbytes) return 0;
+  PyObject* npdt = PyObject_GetAttrString(array, "dtype");
+  if (npdt == nullptr) return -1;
+  PyObject* tdt = g_dtype_map ? PyDict_GetItem(g_dtype_map, npdt) : nullptr;
+  Py_DECREF(npdt);
+  if (tdt == nullptr || scalar_type_of(tdt) != st) return 0;
+  std::vector<int64_t> shape = shape_of(array);
+  if (!impl->sizes().equals(shape)) return 0;
+  set_buffer_array(buf, array, st, std::move(shape));
+  return 1;
+}
+
 PyObject* py_set_whole(PyObject* /*self*/, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject *obj, *array;
   if (!PyArg_ParseTuple(args, "OO", &obj, &array)) return nullptr;
   if (!collect_if_due()) return nullptr;
-  const at::Tensor& t = tensor_arg(obj);
-  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  if (impl->device_type() != kTpu || impl->storage_offset() != 0 || !impl->is_contiguous()) Py_RETURN_FALSE;
-  TpuBuffer* buf = buffer_of(impl->unsafe_storage());
-  c10::ScalarType st = impl->dtype().toScalarType();
-  if (static_cast<size_t>(impl->numel()) * c10::elementSize(st) != buf->nbytes) Py_RETURN_FALSE;
-  PyObject* npdt = PyObject_GetAttrString(array, "dtype");
-  if (npdt == nullptr) return nullptr;
-  PyObject* tdt = g_dtype_map ? PyDict_GetItem(g_dtype_map, npdt) : nullptr;
-  Py_DECREF(npdt);
-  if (tdt == nullptr || scalar_type_of(tdt) != st) Py_RETURN_FALSE;
-  std::vector<int64_t> shape = shape_of(array);
-  if (!impl->sizes().equals(shape)) Py_RETURN_FALSE;
-  set_buffer_array(buf, array, st, std::move(shape));
-  Py_RETURN_TRUE;
+  int r = swap_whole(tensor_arg(obj).unsafeGetTensorImpl(), array);
+  if (r < 0) return nullptr;
+  return PyBool_FromLong(r);
   END_HANDLE_TH_ERRORS
 }
 
@@ -344,24 +350,9 @@ PyObject* py_write_wholes(PyObject* /*self*/, PyObject* args) {
     PyObject* array = PySequence_Fast_GET_ITEM(fa, i);
     bool done = false;
     if (THPVariable_Check(obj)) {
-      c10::TensorImpl* impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
-      if (impl->device_type() == kTpu && impl->storage_offset() == 0 && impl->is_contiguous()) {
-        TpuBuffer* buf = buffer_of(impl->unsafe_storage());
-        c10::ScalarType st = impl->dtype().toScalarType();
-        if (static_cast<size_t>(impl->numel()) * c10::elementSize(st) == buf->nbytes) {
-          PyObject* npdt = PyObject_GetAttrString(array, "dtype");
-          if (npdt == nullptr) return fail();
-          PyObject* tdt = g_dtype_map ? PyDict_GetItem(g_dtype_map, npdt) : nullptr;
-          Py_DECREF(npdt);
-          if (tdt != nullptr && scalar_type_of(tdt) == st) {
-            std::vector<int64_t> shape = shape_of(array);
-            if (impl->sizes().equals(shape)) {
-              set_buffer_array(buf, array, st, std::move(shape));
-              done = true;
-            }
-          }
-        }
-      }
+      int r = swap_whole(THPVariable_Unpack(obj).unsafeGetTensorImpl(), array);
+      if (r < 0) return fail();
+      done = r == 1;
     }
     if (!done) {
       PyObject* idx = PyLong_FromSsize_t(i);
