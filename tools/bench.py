@@ -882,16 +882,50 @@ def _hf_models() -> dict[str, Any]:
         models["Llama (HF, tiny)"] = llama
     try:
         from torchvision.models import resnet18
+        name = "ResNet-18 (torchvision)"
     except Exception as e:  # noqa: BLE001
-        models["ResNet-18 (torchvision)"] = f"torchvision does not import here ({type(e).__name__}: {str(e)[:120]})"
-    else:
-        def resnet(seed: int = 0):
-            torch.manual_seed(seed)
-            g = torch.Generator().manual_seed(seed)
-            data = (torch.randn(8, 3, 64, 64, generator=g), torch.randint(0, 1000, (8,), generator=g))
-            return resnet18(), data, lambda m, d: torch.nn.functional.cross_entropy(m(d[0]), d[1])
-        models["ResNet-18 (torchvision)"] = resnet
+        # torchvision's PyPI wheels for torch 2.13.0 are CUDA builds that fail to import beside the CPU torch
+        # ("operator torchvision::nms does not exist"): the same architecture, written out below, stands in.
+        resnet18 = _resnet18
+        name = f"ResNet-18 (torchvision's layout, built here: torchvision does not import: {str(e)[:60]})"
+
+    def resnet(seed: int = 0):
+        torch.manual_seed(seed)
+        g = torch.Generator().manual_seed(seed)
+        data = (torch.randn(8, 3, 64, 64, generator=g), torch.randint(0, 1000, (8,), generator=g))
+        return resnet18(), data, lambda m, d: torch.nn.functional.cross_entropy(m(d[0]), d[1])
+    models[name] = resnet
     return models
+
+
+def _resnet18() -> torch.nn.Module:
+    """torchvision.models.resnet18() layer for layer (BasicBlock x [2, 2, 2, 2], 11.7 M parameters), for machines
+    where torchvision cannot be imported."""
+    nn = torch.nn
+
+    class Block(nn.Module):
+        def __init__(self, cin: int, cout: int, stride: int) -> None:
+            super().__init__()
+            self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+            self.bn1 = nn.BatchNorm2d(cout)
+            self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+            self.bn2 = nn.BatchNorm2d(cout)
+            self.relu = nn.ReLU(inplace=True)
+            self.downsample = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                               if stride != 1 or cin != cout else None)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            idt = x if self.downsample is None else self.downsample(x)
+            out = self.relu(self.bn1(self.conv1(x)))
+            return self.relu(self.bn2(self.conv2(out)) + idt)
+
+    layers = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)]
+    cin = 64
+    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [Block(cin, cout, stride), Block(cout, cout, 1)]
+        cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 1000)]
+    return nn.Sequential(*layers)
 
 
 def _host_hf(quick: bool) -> None:
