@@ -381,3 +381,57 @@ def dataclasses_replace(obj, **kw):
     import dataclasses
 
     return dataclasses.replace(obj, **kw)
+
+
+def test_result_shapes_and_dtypes_when_an_entry_alternates() -> None:
+    """A hit reads its result's shape and dtype through the aval it last decoded (runtime/TpuDispatch.cpp
+    result_meta): calls that alternate between shapes and dtypes through one entry get each their own."""
+    cases = [
+        (torch.randn(2, 2), torch.randn(2, 2)),
+        (torch.randn(3, 1), torch.randn(1, 4)),  # broadcast: a result shape neither input has
+        (torch.randn(5), torch.randn(5)),
+        (torch.arange(6, dtype=torch.int32), torch.arange(6, dtype=torch.int32)),
+        (torch.randn(2, 2, dtype=torch.float64), torch.randn(2, 2, dtype=torch.float64)),
+        (torch.randn(()), torch.randn(())),
+    ]
+    dev = [(a.to("tpu"), b.to("tpu")) for a, b in cases]
+    cpu = [(a.clone(), b) for a, b in cases]  # CPU mirrors, updated in place alongside
+    for _ in range(3):
+        for (ac, bc), (a, b) in zip(cpu, dev):
+            r = a * b
+            expect = ac * bc
+            assert r.shape == expect.shape and r.dtype == expect.dtype and r.is_contiguous()
+            torch.testing.assert_close(r.cpu(), expect)
+            if ac.shape == expect.shape:
+                assert a.add_(b) is a
+                ac.add_(bc)
+            torch.testing.assert_close(a.cpu(), ac)
+
+
+def test_data_pointers_stay_unique_when_threads_make_and_free_results() -> None:
+    """Small storages' address spans are cached per thread (runtime/TpuAllocator.cpp SpanCache): results made
+    on one thread and freed on another never share a data pointer with a live storage, and keep their values."""
+    x = torch.arange(8.0, device="tpu")
+    made: list[list[torch.Tensor]] = [[] for _ in range(3)]
+
+    def work(i: int) -> None:
+        for k in range(40):
+            made[i].append(x + float(i * 100 + k))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    live = [t for ts in made for t in ts[::2]]
+    for ts in made:
+        del ts[1::2]  # freed on this thread: their spans go to this thread's cache
+    live += [x * float(k) for k in range(60)]  # new results take spans from it
+    ptrs = [t.untyped_storage().data_ptr() for t in live]
+    assert len(set(ptrs)) == len(ptrs)
+    for i in range(3):
+        for j, t in enumerate(made[i]):
+            torch.testing.assert_close(t.cpu(), torch.arange(8.0) + float(i * 100 + 2 * j))
+    for k, t in enumerate(live[-60:]):
+        torch.testing.assert_close(t.cpu(), torch.arange(8.0) * float(k))
