@@ -131,6 +131,52 @@ AddressSpace& address_space() {
   return *space;
 }
 
+// A per-thread cache of freed small spans in front of the process-wide free lists: an eager op makes one
+// storage and frees its previous result's, and the shared map costs a mutex and a hash lookup each way (about
+// a tenth of the C++ eager path, measured). A span is in exactly one place (live, this cache or the shared
+// lists), so data pointers stay unique; a thread's cached spans go back to the shared lists when it exits.
+class SpanCache {
+ public:
+  static constexpr size_t kClasses = 16;  // spans of 64, 128, ..., 1024 bytes
+  static constexpr size_t kPerClass = 8;
+
+  static int class_of(size_t nbytes) {
+    size_t span = nbytes == 0 ? kAlign : (nbytes + kAlign - 1) / kAlign * kAlign;
+    return span <= kClasses * kAlign ? static_cast<int>(span / kAlign - 1) : -1;
+  }
+  void* take(int c) { return count_[c] ? reinterpret_cast<void*>(slots_[c][--count_[c]]) : nullptr; }
+  bool give(int c, void* p) {
+    if (closed_ || count_[c] == kPerClass) return false;
+    slots_[c][count_[c]++] = reinterpret_cast<uintptr_t>(p);
+    return true;
+  }
+  ~SpanCache() {  // (a storage freed later on this thread, at its exit, goes to the shared lists)
+    closed_ = true;
+    for (size_t c = 0; c < kClasses; ++c)
+      while (count_[c]) address_space().release(reinterpret_cast<void*>(slots_[c][--count_[c]]), (c + 1) * kAlign);
+  }
+
+ private:
+  uintptr_t slots_[kClasses][kPerClass];
+  uint8_t count_[kClasses] = {};
+  bool closed_ = false;
+};
+thread_local SpanCache t_spans;
+
+void* acquire_span(size_t nbytes) {
+  int c = SpanCache::class_of(nbytes);
+  if (c >= 0) {
+    if (void* p = t_spans.take(c)) return p;
+  }
+  return address_space().acquire(nbytes);
+}
+
+void release_span(void* p, size_t nbytes) {
+  int c = SpanCache::class_of(nbytes);
+  if (c >= 0 && t_spans.give(c, p)) return;
+  address_space().release(p, nbytes);
+}
+
 std::atomic<int64_t> g_live{0};
 
 void drop_array(PyObject* array) {
@@ -149,7 +195,7 @@ void drop_array(PyObject* array) {
 void delete_buffer(void* ctx) {
   auto* buf = static_cast<TpuBuffer*>(ctx);
   drop_array(buf->array);
-  address_space().release(buf->addr, buf->nbytes);
+  release_span(buf->addr, buf->nbytes);
   g_live.fetch_sub(1, std::memory_order_relaxed);
   delete buf;
 }
@@ -159,7 +205,7 @@ c10::DataPtr make_data_ptr(TpuBuffer* buf) {
     delete buf;
     throw_bad_fork();
   }
-  buf->addr = address_space().acquire(buf->nbytes);
+  buf->addr = acquire_span(buf->nbytes);
   g_live.fetch_add(1, std::memory_order_relaxed);
   return c10::DataPtr(buf->addr, buf, &delete_buffer, c10::Device(kTpu, buf->device));
 }

@@ -381,3 +381,124 @@ def dataclasses_replace(obj, **kw):
     import dataclasses
 
     return dataclasses.replace(obj, **kw)
+
+
+def test_result_shapes_and_dtypes_when_an_entry_alternates() -> None:
+    """A hit reads its result's shape and dtype through the aval it last decoded (runtime/TpuDispatch.cpp
+    result_meta): calls that alternate between shapes and dtypes through one entry get each their own."""
+    cases = [
+        (torch.randn(2, 2), torch.randn(2, 2)),
+        (torch.randn(3, 1), torch.randn(1, 4)),  # broadcast: a result shape neither input has
+        (torch.randn(5), torch.randn(5)),
+        (torch.arange(6, dtype=torch.int32), torch.arange(6, dtype=torch.int32)),
+        (torch.randn(2, 2, dtype=torch.float64), torch.randn(2, 2, dtype=torch.float64)),
+        (torch.randn(()), torch.randn(())),
+    ]
+    dev = [(a.to("tpu"), b.to("tpu")) for a, b in cases]
+    cpu = [(a.clone(), b) for a, b in cases]  # CPU mirrors, updated in place alongside
+    for _ in range(3):
+        for (ac, bc), (a, b) in zip(cpu, dev):
+            r = a * b
+            expect = ac * bc
+            assert r.shape == expect.shape and r.dtype == expect.dtype and r.is_contiguous()
+            torch.testing.assert_close(r.cpu(), expect)
+            if ac.shape == expect.shape:
+                assert a.add_(b) is a
+                ac.add_(bc)
+            torch.testing.assert_close(a.cpu(), ac)
+
+
+def test_data_pointers_stay_unique_when_threads_make_and_free_results() -> None:
+    """Small storages' address spans are cached per thread (runtime/TpuAllocator.cpp SpanCache): results made
+    on one thread and freed on another never share a data pointer with a live storage, and keep their values."""
+    x = torch.arange(8.0, device="tpu")
+    made: list[list[torch.Tensor]] = [[] for _ in range(3)]
+
+    def work(i: int) -> None:
+        for k in range(40):
+            made[i].append(x + float(i * 100 + k))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    live = [t for ts in made for t in ts[::2]]
+    for ts in made:
+        del ts[1::2]  # freed on this thread: their spans go to this thread's cache
+    live += [x * float(k) for k in range(60)]  # new results take spans from it
+    ptrs = [t.untyped_storage().data_ptr() for t in live]
+    assert len(set(ptrs)) == len(ptrs)
+    for i in range(3):
+        for j, t in enumerate(made[i]):
+            torch.testing.assert_close(t.cpu(), torch.arange(8.0) + float(i * 100 + 2 * j))
+    for k, t in enumerate(live[-60:]):
+        torch.testing.assert_close(t.cpu(), torch.arange(8.0) * float(k))
+
+
+def test_which_calls_the_cpp_path_serves(monkeypatch) -> None:
+    """Repeated calls of a training step's common ops (unary and binary elementwise, mm/addmm on whole arrays,
+    their in-place forms, Python scalars) never enter the Python kernel; unusual inputs (views, CPU 0-d
+    tensors, out=, kwargs the schema keeps as keywords) always do, and every result matches CPU."""
+    from torch_tpu import _eager
+
+    slow: list[str] = []  # Python kernel entries: its own fast path (_fast_args) or its binding (bind)
+    bind, fast_args = _eager.OpKernel.bind, _eager._fast_args
+
+    def counting_bind(self, args, kwargs):
+        slow.append(self.name)
+        return bind(self, args, kwargs)
+
+    def counting_fast_args(args):
+        slow.append("_fast_args")
+        return fast_args(args)
+
+    def count(on: bool) -> None:
+        monkeypatch.setattr(_eager.OpKernel, "bind", counting_bind if on else bind)
+        monkeypatch.setattr(_eager, "_fast_args", counting_fast_args if on else fast_args)
+
+    ac, bc, wc = torch.randn(4, 3), torch.randn(4, 3), torch.randn(3, 5)
+    a, b, w = ac.to("tpu"), bc.to("tpu"), wc.to("tpu")
+    biasc = torch.randn(5)
+    bias = biasc.to("tpu")
+    served = {
+        "add": (lambda x, y: x + y, (a, b), (ac, bc)),
+        "sub alpha": (lambda x, y: torch.sub(x, y, alpha=2), (a, b), (ac, bc)),
+        "mul scalar": (lambda x: x * 1.5, (a,), (ac,)),
+        "div": (lambda x, y: x / y, (a, b), (ac, bc)),
+        "neg": (lambda x: -x, (a,), (ac,)),
+        "exp": (torch.exp, (a,), (ac,)),
+        "relu": (torch.relu, (a,), (ac,)),
+        "mm": (torch.mm, (a, w), (ac, wc)),
+        "addmm": (torch.addmm, (bias, a, w), (biasc, ac, wc)),
+        "add_": (lambda x, y: x.clone().add_(y), (a, b), (ac, bc)),
+        "mul_ scalar": (lambda x: x.clone().mul_(0.5), (a,), (ac,)),
+    }
+    for name, (fn, dev, cpu) in served.items():
+        for _ in range(2):  # the first call installs the entry
+            fn(*dev)
+        count(True)
+        slow.clear()
+        for _ in range(3):
+            r = fn(*dev)
+        count(False)
+        assert slow == [], (name, slow)
+        torch.testing.assert_close(r.cpu(), fn(*cpu), msg=name)
+    two = torch.tensor(2.0)
+    out = torch.empty(4, 3, device="tpu")
+    unusual = {
+        "transposed operand": (lambda: torch.mm(w.t(), a.t()), lambda: torch.mm(wc.t(), ac.t())),
+        "slice": (lambda: a[1:] + b[1:], lambda: ac[1:] + bc[1:]),
+        "CPU 0-d tensor": (lambda: a * two, lambda: ac * two),
+        "out=": (lambda: torch.add(a, b, out=out), lambda: ac + bc),
+    }
+    for name, (fn, cpu_fn) in unusual.items():
+        for _ in range(2):
+            fn()
+        count(True)
+        slow.clear()
+        r = fn()
+        count(False)
+        assert any(n != "_fast_args" for n in slow), (name, slow)  # the Python kernel, with all its checks
+        torch.testing.assert_close(r.cpu(), cpu_fn(), msg=name)
