@@ -83,6 +83,8 @@ def _copy_from_and_resize(self: torch.Tensor, dst: torch.Tensor) -> torch.Tensor
     return copy_(dst, self)
 
 
-@direct("_local_scalar_dense")
+@direct("_local_scalar_dense", defer=True)
 def _local_scalar_dense(self: torch.Tensor) -> Any:
-    return _runtime.download(_executor.concrete(_storage.read(self))).item()
+    # As copy_ to the host: under DEFER_AND_FUSE the graph holding the value runs (the read of a view is recorded
+    # into it first), not every graph of the thread, and no boundary flush is paid by sync-heavy code.
+    return _runtime.download(_executor.concrete(_storage.read(self), "item")).item()

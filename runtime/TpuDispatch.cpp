@@ -211,7 +211,10 @@ class EagerKernel final : public c10::OperatorKernel {
  private:
   // The cache hit; false (nothing popped, no Python error) when the call must take the Python kernel.
   bool try_hit(const c10::FunctionSchema& schema, torch::jit::Stack* stack, size_t nargs) {
-    if (entries_.empty() || current_mode() != 0 || g_in_bad_fork) return false;
+    if (entries_.empty() || g_in_bad_fork) return false;
+    // DEFER_NEVER; or DEFER_AND_FUSE's one-op segment, which runs as its eager op would (TpuMode.cpp)
+    const bool direct = current_mode() != 0;
+    if (direct && !direct_dispatch()) return false;
     const auto& args = schema.arguments();
     c10::IValue* iv = stack->data() + (stack->size() - nargs);
     // The arguments the Python kernel would get positionally (see call_python and OpKernel._positional): up to
@@ -241,7 +244,8 @@ class EagerKernel final : public c10::OperatorKernel {
         if (impl->is_wrapped_number()) {
           obj = wrapped_number(impl, &code);
         } else if ((obj = whole_array(impl, &device)) != nullptr) {
-          Py_INCREF(obj);
+          if (direct && !dispatch_is_array(obj)) obj = nullptr;  // a placeholder still pending: it is recorded
+          else Py_INCREF(obj);
         }
       } else {
         obj = number_of(v, &code);
@@ -288,6 +292,7 @@ class EagerKernel final : public c10::OperatorKernel {
     Py_DECREF(fn);
     release();
     if (out == nullptr) throw python_error();
+    if (direct) direct_ran(out);
     if (!dispatch_collect_if_due()) {
       Py_DECREF(out);
       throw python_error();

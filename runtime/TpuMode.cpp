@@ -12,6 +12,8 @@
 #include <atomic>
 #include <memory>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 namespace torch_tpu {
 namespace {
@@ -118,6 +120,106 @@ PyObject* py_graph_owner(PyObject*, PyObject*) {
 
 PyObject* py_thread_id(PyObject*, PyObject*) { return PyLong_FromLongLong(self().id); }
 
+// ---- DEFER_AND_FUSE: one-op segments dispatched through the eager cache hit ----
+// Sync-heavy code under DEFER_AND_FUSE (an op, then a read of its result, again and again) flushes graphs of one
+// op; such a graph runs the op's own program (the eager op's values), after paying for recording the op and for
+// a flush. When a thread's own graphs have flushed with one op `need` times in a row (torch_tpu/_deferred.py
+// reports every flush: `_fuse_flushed`), the thread goes direct: the first op of each segment (the ops between
+// two synchronization points) runs through the eager cache hit (runtime/TpuDispatch.cpp asks
+// `direct_dispatch()`), which is the program its one-op flush would have run. A second op in the same segment, or
+// an op the cache hit does not take (it is recorded: `_fuse_recorded`), ends the direct state; the ops from there
+// on are recorded. Each end doubles `need` (up to 64 times the base), so code that alternates does not flap.
+// The state is the recording thread's own (threads inheriting a caller's graphs record as before).
+thread_local bool t_direct = false;
+thread_local int t_streak = 0;        // this thread's one-op flushes in a row
+thread_local int t_backoff = 0;       // need = base << t_backoff
+thread_local int t_seg = 0;           // ops run directly in the current segment (0 or 1)
+thread_local const void* t_last = nullptr;  // the last direct op's result (compared by identity only)
+
+void leave_direct() {
+  if (!t_direct) return;
+  t_direct = false;
+  t_streak = 0;
+  t_seg = 0;
+  t_last = nullptr;
+  if (t_backoff < 6) ++t_backoff;
+}
+
+// _fuse_flushed(n_ops, base): a graph of this thread's with n_ops ops flushed; base: one-op flushes in a row
+// before going direct (0: never, and the thread's state is reset).
+PyObject* py_fuse_flushed(PyObject*, PyObject* args) {
+  long n, base;
+  if (!PyArg_ParseTuple(args, "ll", &n, &base)) return nullptr;
+  if (base <= 0) {  // the policy off: this thread's state starts afresh
+    t_direct = false;
+    t_streak = t_seg = t_backoff = 0;
+    t_last = nullptr;
+  } else if (n == 1) {
+    if (++t_streak >= (base << t_backoff) && !t_direct) {
+      t_direct = true;
+      t_seg = 0;
+      t_last = nullptr;
+    }
+  } else {
+    t_streak = 0;
+  }
+  Py_RETURN_NONE;
+}
+
+// _fuse_recorded(): this thread recorded the first op of a graph (an op the direct path did not take).
+PyObject* py_fuse_recorded(PyObject*, PyObject*) {
+  leave_direct();
+  Py_RETURN_NONE;
+}
+
+// Segments whose op ran directly, by the reason of the synchronization point that ended them (the reason strings
+// are held): torch.tpu.metrics() counts each as the one-op flush it stands for (torch_tpu/_metrics.py). Read and
+// written with the GIL held; counted here because a Python counter under a lock costs as much as the op.
+std::vector<std::pair<PyObject*, int64_t>> g_direct_ends;
+
+// _fuse_segment_end(value or None, reason): a synchronization point of this thread (None: all of its work; else
+// a read of `value`); it ends the segment of an op that ran directly if there is one.
+PyObject* py_fuse_segment_end(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "torch_tpu: internal error: _fuse_segment_end(value, reason)");
+    return nullptr;
+  }
+  if (t_seg == 0 || (args[0] != Py_None && args[0] != t_last)) Py_RETURN_NONE;
+  t_seg = 0;
+  t_last = nullptr;
+  for (auto& [reason, n] : g_direct_ends) {
+    if (reason == args[1]) {
+      ++n;
+      Py_RETURN_NONE;
+    }
+  }
+  Py_INCREF(args[1]);
+  g_direct_ends.emplace_back(args[1], 1);
+  Py_RETURN_NONE;
+}
+
+// _fuse_direct_ends(reset) -> {reason: segments}: the counts above (then cleared, with `reset`).
+PyObject* py_fuse_direct_ends(PyObject*, PyObject* reset) {
+  PyObject* d = PyDict_New();
+  if (d == nullptr) return nullptr;
+  for (auto& [reason, n] : g_direct_ends) {
+    PyObject* v = PyLong_FromLongLong(n);
+    if (v == nullptr || PyDict_SetItem(d, reason, v) < 0) {
+      Py_XDECREF(v);
+      Py_DECREF(d);
+      return nullptr;
+    }
+    Py_DECREF(v);
+  }
+  if (PyObject_IsTrue(reset)) {
+    for (auto& e : g_direct_ends) Py_DECREF(e.first);
+    g_direct_ends.clear();
+  }
+  return d;
+}
+
+PyObject* py_fuse_direct(PyObject*, PyObject*) { return PyBool_FromLong(t_direct); }
+
 PyMethodDef kModeMethods[] = {
     {"_mode", py_mode, METH_NOARGS, "the calling thread's effective execution mode (an EagerMode value)"},
     {"_recording", py_recording, METH_NOARGS, "True when tpu ops on this thread are recorded (DEFER_AND_FUSE)"},
@@ -128,6 +230,13 @@ PyMethodDef kModeMethods[] = {
     {"_suspend", py_suspend, METH_O, "add to the calling thread's suspended depth"},
     {"_graph_owner", py_graph_owner, METH_NOARGS, "id of the thread whose pending graphs this thread records into"},
     {"_thread_id", py_thread_id, METH_NOARGS, "the calling thread's id (as _graph_owner counts)"},
+    {"_fuse_flushed", py_fuse_flushed, METH_VARARGS,
+     "a graph of this thread's flushed (n_ops, one-op flushes in a row before going direct)"},
+    {"_fuse_recorded", py_fuse_recorded, METH_NOARGS, "this thread recorded a graph's first op (ends direct)"},
+    {"_fuse_segment_end", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_fuse_segment_end)),
+     METH_FASTCALL, "a synchronization point (value read or None, reason): ends a direct op's segment"},
+    {"_fuse_direct_ends", py_fuse_direct_ends, METH_O, "{reason: segments of a direct op}, cleared with reset"},
+    {"_fuse_direct", py_fuse_direct, METH_NOARGS, "True while this thread dispatches one-op segments directly"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
@@ -137,5 +246,19 @@ bool recording() { return t_suspended == 0 && effective_mode() == kFuse; }
 PyMethodDef* mode_methods() { return kModeMethods; }
 
 int current_mode() { return effective_mode(); }
+
+bool direct_dispatch() {
+  if (!t_direct || t_suspended != 0 || effective_mode() != kFuse || inherited() != nullptr) return false;
+  if (t_seg > 0) {  // a second op in the segment: it and the rest are recorded
+    leave_direct();
+    return false;
+  }
+  return true;
+}
+
+void direct_ran(const void* result) {
+  t_seg = 1;
+  t_last = result;
+}
 
 }  // namespace torch_tpu

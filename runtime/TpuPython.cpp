@@ -481,6 +481,7 @@ TpuGeneratorImpl* generator_arg(py::handle gen) {
 }  // namespace
 
 void dispatch_resolve_pending(TpuBuffer* buf) { resolve_placeholder(buf); }
+bool dispatch_is_array(PyObject* obj) { return reinterpret_cast<PyObject*>(Py_TYPE(obj)) == g_array_type; }
 bool dispatch_collect_if_due() { return collect_if_due(); }
 PyObject* dispatch_dtype_map() { return g_dtype_map; }
 

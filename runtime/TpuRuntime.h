@@ -67,12 +67,17 @@ bool recording();
 PyMethodDef* mode_methods();
 // The calling thread's effective execution mode (an EagerMode value: 0 DEFER_NEVER).
 int current_mode();
+// DEFER_AND_FUSE's one-op segments (TpuMode.cpp): true when the calling thread runs its next op through the eager
+// cache hit instead of recording it; the cache hit then reports the op it ran with direct_ran(its result).
+bool direct_dispatch();
+void direct_ran(const void* result);
 
 // ---- the eager dispatch path of cache hits (TpuDispatch.cpp) ----
 PyMethodDef* dispatch_methods();
 // TpuPython.cpp's accessors, shared with it: resolve a DEFER_AND_FUSE placeholder (a Python error may be set),
 // run a due program collection (false with a Python error set if it raised), the {numpy dtype: torch.dtype} map.
 void dispatch_resolve_pending(TpuBuffer* buf);
+bool dispatch_is_array(PyObject* obj);  // a concrete device array (not a placeholder)
 bool dispatch_collect_if_due();
 PyObject* dispatch_dtype_map();
 

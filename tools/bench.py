@@ -806,10 +806,23 @@ def _host_sync(quick: bool) -> None:
                         fn()
             return run
 
-        r = _interleaved({"fuse": in_mode("DEFER_AND_FUSE"), "never": in_mode("DEFER_NEVER")},
+        def recorded(fn=fn) -> None:  # DEFER_AND_FUSE recording every op (its one-op segments not run directly)
+            from torch_tpu import _deferred
+
+            before = _deferred._DIRECT_AFTER
+            _deferred._DIRECT_AFTER = 0
+            try:
+                in_mode("DEFER_AND_FUSE", fn)()
+            finally:
+                _deferred._DIRECT_AFTER = before
+                _deferred.reset_direct()
+
+        r = _interleaved({"fuse": in_mode("DEFER_AND_FUSE"), "never": in_mode("DEFER_NEVER"), "recorded": recorded},
                          calls=2 if quick else 20, trials=2 if quick else 7)
         _host_row(f"e. sync-heavy {what}: fused / never",
                   f"fused {r['fuse'] / 50:.2f} us  never {r['never'] / 50:.2f} us", r["fuse"] / r["never"], 1.0)
+        _host_info(f"e. {what}: every op recorded / never", f"recorded {r['recorded'] / 50:.2f} us",
+                   f"{r['recorded'] / r['never']:.2f}x")
 
 
 _HOST_FIRST_STEP = """

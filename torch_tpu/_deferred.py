@@ -15,6 +15,11 @@ change, a tensor moving to another device, and a size limit (TORCH_TPU_FUSE_MAX_
 The graph's cache key is structural: per op its callable's id, where its inputs come from, and their
 shapes/dtypes; Python scalars are inputs, so new values do not recompile.
 
+Sync-heavy code (an op, then a read of its result) would flush one-op graphs, each the op's own program: after a
+few in a row, a thread runs the first op of each segment through the eager cache hit instead, the same program
+without recording and flushing, until a segment grows past one op (`_DIRECT_AFTER`, runtime/TpuMode.cpp). Metrics
+count each such segment as the one-op flush it stands for.
+
 Threads: the mode is per thread with a process default, and each thread records its own graphs, so two
 threads never interleave ops in one graph (which changed its structure, hence recompiled, on every flush).
 The autograd engine's threads record into the graph of the thread that called backward. A placeholder read
@@ -207,6 +212,7 @@ def concrete(x: Any, reason: str = "value_needed") -> Any:
         return x.concrete(reason)
     if isinstance(x, (list, tuple)):
         return type(x)(concrete(v, reason) for v in x)
+    _segment_end(x, reason)  # the read of an op that ran directly ends its segment (metrics count it as a flush)
     return x
 
 
@@ -276,6 +282,18 @@ def _env_count(name: str) -> int:
 
 _MAX_OPS = _env_count("TORCH_TPU_FUSE_MAX_OPS")
 _FUSED_CAP = _env_count("TORCH_TPU_FUSE_CACHE")
+# Sync-heavy code (an op, then a read of its result) flushes one-op graphs, and a one-op graph runs the op's own
+# program: after this many of a thread's own graphs in a row flushed with one op, the first op of each segment
+# (the ops between two synchronization points) runs through the eager cache hit instead, which computes the same
+# program without the cost of recording and flushing; a second op in a segment, or an op the cache hit does not
+# take, records again from there (runtime/TpuMode.cpp keeps the state, with a back-off). 0: always record.
+_DIRECT_AFTER = 3
+_segment_end = _C._fuse_segment_end
+
+
+def reset_direct() -> None:
+    """The calling thread records every op again, as before its first flush (its one-op-segment state cleared)."""
+    _C._fuse_flushed(0, 0)
 
 
 def _graph(index: int) -> _Graph:
@@ -406,6 +424,8 @@ def _record(index: int, fkey: Any, fn: Callable[..., Any], args: tuple | list) -
         specs = tuple(specs_l)
         sig = tuple(sig_l)
         node = len(g.nodes)
+        if node == 0:
+            _C._fuse_recorded()  # a segment that records: this thread stops running one-op segments directly
         tr = g.trace
         if tr is not None and node < len(tr.entries) and (e := tr.entries[node])[0] == fkey and e[1] == specs \
                 and e[2] == sig:
@@ -526,6 +546,8 @@ def flush(g: _Graph | None, reason: str) -> None:
             tr = g.trace
             replayed = tr is not None and len(tr.entries) == len(g.nodes)
             tr = _follow(key, tr if replayed else None, g)
+            if g.owner == _C._thread_id():
+                _C._fuse_flushed(len(g.nodes), _DIRECT_AFTER)
         _metrics.flush(reason, len(g.nodes), len(alive), replayed)
         if not alive:
             g.done = True
@@ -680,6 +702,9 @@ def flush_thread(reason: str) -> None:
     """Runs the pending graphs the calling thread records into (its own, or in a backward pass its caller's).
     Other threads' graphs are theirs to run, like ops they have not issued yet: running them from here would
     cut their graphs at arbitrary points, so each flush would have a new structure to compile."""
+    _segment_end(None, reason)  # the segment of an op that ran directly, if any (metrics count it as a flush)
+    if not _graphs and not _ended:  # nothing pending anywhere (sync-heavy code running its ops directly)
+        return
     owner = _C._graph_owner()
     with _lock:
         if _ended:

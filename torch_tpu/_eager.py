@@ -192,6 +192,8 @@ class OpKernel(Signature):
         fast = _fast_args(args)
         if fast is not None:
             self._install_fast(len(args), fast[1], vals, inplace_dtype, recorded=bool(mode))
+            if mode:  # and the eager entry: DEFER_AND_FUSE runs one-op segments through it (_deferred._DIRECT_AFTER)
+                self._install_fast(len(args), fast[1], vals, inplace_dtype)
 
     def _install_fast(self, n: int, mask: int, vals: list, inplace_dtype: torch.dtype | None = None,
                       recorded: bool = False) -> None:

@@ -37,6 +37,7 @@ record = _deferred.record  # executors only: appends a call of arrays to the pen
 concrete = _deferred.concrete
 eagerly = _deferred.suspended
 _ids = itertools.count(1)
+_suspend = _C._suspend
 
 
 def flush(reason: str) -> None:
@@ -116,8 +117,11 @@ def boundary(fn: Callable[..., Any], reason: str) -> Callable[..., Any]:
         if not recording():  # suspended already
             return fn(*args, **kwargs)
         _deferred.flush_thread(reason)  # values pending elsewhere are computed when read (runtime/TpuPython.cpp)
-        with _deferred.suspended():
+        _suspend(1)  # (as `with _deferred.suspended()`, without the context manager's cost on sync-heavy code)
+        try:
             return fn(*args, **kwargs)
+        finally:
+            _suspend(-1)
 
     kernel.__name__ = getattr(fn, "__name__", "kernel")
     kernel.__qualname__ = getattr(fn, "__qualname__", kernel.__name__)

@@ -57,6 +57,12 @@ def metrics() -> Metrics:
     with _lock:
         c = dict(_counts)
         flushes = dict(_flushes)
+        # DEFER_AND_FUSE's one-op segments that ran directly (runtime/TpuMode.cpp), each the one-op flush it
+        # stands for
+        for reason, n in _C._fuse_direct_ends(False).items():
+            flushes[reason] = flushes.get(reason, 0) + n
+            for k in ("fused_ops", "fused_graph_runs", "fused_outputs"):
+                c[k] += n
     return Metrics(
         compiles=max(0, c["compiles"] - c["persistent_cache_hits"]),
         compile_seconds=round(c["compile_seconds"], 6),
@@ -72,10 +78,13 @@ def metrics() -> Metrics:
 
 
 def reset() -> None:
+    from torch_tpu import _C
+
     with _lock:
         for k in _counts:
             _counts[k] = 0.0 if isinstance(_counts[k], float) else 0
         _flushes.clear()
+        _C._fuse_direct_ends(True)
         _sites.clear()
         _warned.clear()
 
