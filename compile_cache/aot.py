@@ -85,9 +85,16 @@ class StoredGraph(OutputCode):
 
     def prepare_for_serialization(self) -> None:
         # Called on a shallow copy (AOTAutogradCache's pre_save): the live object keeps its program.
+        from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
         from torch.fx._graph_pickler import GraphPickler
 
-        self._data = GraphPickler.dumps(self._gm)
+        gm = self._gm
+        if gm is None or any(n.op == "placeholder" and "val" not in n.meta for n in gm.graph.nodes):
+            raise BypassAOTAutogradCache("torch_tpu: the graph's metadata is gone; not stored")
+        try:
+            self._data = GraphPickler.dumps(gm)  # only aten ops: graphs with custom ops are not stored
+        except Exception as e:  # noqa: BLE001 - not storable: AOTAutograd goes on without an entry (quietly)
+            raise BypassAOTAutogradCache(f"torch_tpu: graph not storable ({type(e).__name__}: {e})") from e
         self._digest = hashlib.sha256(self._data).hexdigest()
         self._gm = None
         self._call = None
@@ -114,6 +121,8 @@ class StoredGraph(OutputCode):
 
         fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
         gm = GraphPickler.loads(self._data, fake_mode)
+        if any(n.op == "placeholder" and "val" not in n.meta for n in gm.graph.nodes):
+            raise BypassAOTAutogradCache("torch_tpu: a stored graph lacks its metadata")
         gm.recompile()
         self._gm = gm
         self._call = self._build(gm, _stand_ins(self._inputs), *self._args, self._options)
