@@ -418,3 +418,35 @@ def test_compiled_model_entry_of_another_version_or_disabled_cache(tmp_path) -> 
     off, _ = _run_compiled(tmp_path / "off", env={"TORCH_TPU_CACHE": "0"})
     assert not off["aot"].get("autograd_cache_hit") and not off["aot"].get("autograd_cache_miss")
     assert not _aot_entries(tmp_path / "off")
+
+
+CUSTOM_OP = r"""
+import json, warnings
+warnings.simplefilter("ignore")
+import torch
+from torch._dynamo.utils import counters
+
+@torch.library.custom_op("ttpu_cache_test::twice", mutates_args=())
+def twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+@twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+fn = torch.compile(lambda x: twice(x.sin()) + 1, backend="tpu", options={"fallback": "eager"})
+x = torch.arange(6.0).reshape(2, 3)
+print("RESULT " + json.dumps({"out": fn(x.tpu()).cpu().tolist(), "aot": dict(counters["aot_autograd"])}))
+"""
+
+
+def test_compiled_graph_with_a_custom_op_is_not_stored(tmp_path) -> None:
+    env = {"TORCH_TPU_CACHE_DIR": str(tmp_path / "tpu"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    x = torch.arange(6.0).reshape(2, 3)
+    for _ in range(2):  # the graph (run op by op: fallback='eager') cannot be pickled: no entry, no hit, no noise
+        out = run_python(CUSTOM_OP, env=env)
+        assert out.returncode == 0, out.stderr
+        result = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+        torch.testing.assert_close(torch.tensor(result["out"]), x.sin() * 2 + 1)
+        assert not result["aot"].get("autograd_cache_hit") and "unable to serialize" not in out.stderr, out.stderr
+    assert not _aot_entries(tmp_path)
