@@ -329,3 +329,124 @@ def test_running_process_whose_directory_fills_up(tmp_path) -> None:
     torch.testing.assert_close(torch.tensor(result["eager"]), torch.tensor(exp["eager"]), rtol=1e-5, atol=1e-4)
     assert out.stderr.count("CompileCacheWarning") == 1 and "file system is full" in out.stderr, out.stderr
     assert result["writes"] == 0 and not _entries(tmp_path) and not list(tmp_path.glob(".tmp-*"))
+
+
+# ---- torch.compile(backend="tpu"): the aten graphs come back from PyTorch's AOTAutograd cache ----
+
+COMPILED = r"""
+import json, sys, warnings
+warnings.simplefilter("always")
+import torch
+import torch_tpu
+from torch._dynamo.utils import counters
+if len(sys.argv) > 1 and sys.argv[1] == "new-version":
+    torch_tpu.__version__ = "0.2.0+other"
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+x = torch.randn(5, 8)
+model = model.tpu()
+fwd = torch.compile(model, backend="tpu")
+out = fwd(x.tpu())
+out.square().mean().backward()
+s = torch.tpu.compile_cache.stats()
+print("RESULT " + json.dumps({"out": out.detach().cpu().tolist(),
+                             "grads": [p.grad.cpu().tolist() for p in model.parameters()],
+                             "aot": dict(counters["aot_autograd"]), "graphs": counters["tpu"]["graphs"],
+                             "misses": s.misses, "writes": s.writes}))
+"""
+
+
+def _compiled_expected() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(),
+                                torch.nn.Linear(16, 3))
+    x = torch.randn(5, 8)
+    out = model(x)
+    out.square().mean().backward()
+    return out.detach(), [p.grad for p in model.parameters()]
+
+
+def _run_compiled(tmp: Path, *args: str, env: dict | None = None) -> tuple[dict, str]:
+    e = {"TORCH_TPU_CACHE_DIR": str(tmp / "tpu"), "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"), **(env or {})}
+    out = run_python(COMPILED, env=e, args=list(args))
+    assert out.returncode == 0, out.stderr
+    result = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+    exp_out, exp_grads = _compiled_expected()
+    torch.testing.assert_close(torch.tensor(result["out"]), exp_out, rtol=1e-5, atol=1e-5)
+    for got, exp in zip(result["grads"], exp_grads):
+        torch.testing.assert_close(torch.tensor(got), exp, rtol=1e-4, atol=1e-5)
+    return result, out.stderr
+
+
+def _aot_entries(tmp: Path) -> list[Path]:
+    return sorted(p for p in (tmp / "inductor" / "aotautograd").rglob("*") if p.is_file())
+
+
+def test_compiled_model_warm_start_loads_its_graphs(tmp_path) -> None:
+    first, _ = _run_compiled(tmp_path)
+    assert first["aot"].get("autograd_cache_miss") == 1 and first["graphs"] == 2  # forward and backward
+    assert len(_aot_entries(tmp_path)) == 1
+    second, err = _run_compiled(tmp_path)
+    # AOTAutograd skipped, the programs' executables loaded: nothing traced by AOTAutograd, nothing compiled
+    assert second["aot"].get("autograd_cache_hit") == 1 and not second["aot"].get("autograd_cache_miss")
+    assert second["misses"] == 0 and second["writes"] == 0
+    assert second["out"] == first["out"] and second["grads"] == first["grads"]
+    assert "CompileCacheWarning" not in err
+
+
+def test_compiled_model_damaged_entry_is_compiled_again(tmp_path) -> None:
+    import pickle
+
+    _run_compiled(tmp_path)
+    [entry] = _aot_entries(tmp_path)
+    data = entry.read_bytes()
+    stored = pickle.loads(data).compiled_fw.result  # the forward graph torch_tpu stored
+    at = data.index(stored._data) + len(stored._data) // 2
+    entry.write_bytes(data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:])  # one byte of the graph flipped
+    result, err = _run_compiled(tmp_path)  # right values (checked), from a fresh compile
+    assert "CompileCacheWarning" in err and "corrupt (checksum mismatch)" in err, err
+    assert not result["aot"].get("autograd_cache_hit") and result["graphs"] == 2
+    entry.write_bytes(data[: len(data) // 3])  # a torn entry: not loadable at all
+    result, _ = _run_compiled(tmp_path)
+    assert not result["aot"].get("autograd_cache_hit") and result["graphs"] == 2
+
+
+def test_compiled_model_entry_of_another_version_or_disabled_cache(tmp_path) -> None:
+    _run_compiled(tmp_path)
+    other, _ = _run_compiled(tmp_path, "new-version")  # torch_tpu's version is in the key: a miss
+    assert other["aot"].get("autograd_cache_miss") == 1 and not other["aot"].get("autograd_cache_hit")
+    off, _ = _run_compiled(tmp_path / "off", env={"TORCH_TPU_CACHE": "0"})
+    assert not off["aot"].get("autograd_cache_hit") and not off["aot"].get("autograd_cache_miss")
+    assert not _aot_entries(tmp_path / "off")
+
+
+CUSTOM_OP = r"""
+import json, warnings
+warnings.simplefilter("ignore")
+import torch
+from torch._dynamo.utils import counters
+
+@torch.library.custom_op("ttpu_cache_test::twice", mutates_args=())
+def twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+@twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+fn = torch.compile(lambda x: twice(x.sin()) + 1, backend="tpu", options={"fallback": "eager"})
+x = torch.arange(6.0).reshape(2, 3)
+print("RESULT " + json.dumps({"out": fn(x.tpu()).cpu().tolist(), "aot": dict(counters["aot_autograd"])}))
+"""
+
+
+def test_compiled_graph_with_a_custom_op_is_not_stored(tmp_path) -> None:
+    env = {"TORCH_TPU_CACHE_DIR": str(tmp_path / "tpu"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    x = torch.arange(6.0).reshape(2, 3)
+    for _ in range(2):  # the graph (run op by op: fallback='eager') cannot be pickled: no entry, no hit, no noise
+        out = run_python(CUSTOM_OP, env=env)
+        assert out.returncode == 0, out.stderr
+        result = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+        torch.testing.assert_close(torch.tensor(result["out"]), x.sin() * 2 + 1)
+        assert not result["aot"].get("autograd_cache_hit") and "unable to serialize" not in out.stderr, out.stderr
+    assert not _aot_entries(tmp_path)

@@ -228,13 +228,22 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwarg
     """The Dynamo backend "tpu": AOTAutograd, then one jitted XLA program per aten graph."""
     from torch._dynamo.backends.common import aot_autograd
 
+    from torch_tpu.compile_cache import aot
+
     opts = _options(kwargs.get("options"))
     gid = next(_GRAPH_IDS)
+    # A warm start loads the aten graphs from PyTorch's AOTAutograd cache instead of tracing them again
+    # (torch_tpu.compile_cache.aot); graphs with symbolic sizes, or with the cache off, compile as before.
+    stored = aot.cacheable(gm, example_inputs)
 
     def compiler(kind: str) -> Callable[..., Any]:
         def compile_graph(g: torch.fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
-            return compile_aten_graph(g, inputs, f"graph{gid}_{kind}", opts)
+            name = f"graph{gid}_{kind}"
+            return compile_aten_graph(g, inputs, name, opts, _user_outputs(name))
 
+        if stored:
+            name = f"graph{gid}_{kind}"
+            return aot.serializable(_build_graph, lambda: (name, _user_outputs(name)), opts)
         return compile_graph
 
     from functorch.compile import min_cut_rematerialization_partition
@@ -246,7 +255,10 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwarg
         decompositions=decompositions(), keep_inference_input_mutations=True,
         partition_fn=min_cut_rematerialization_partition,
     )
-    return backend(gm, example_inputs)
+    if not stored:
+        return backend(gm, example_inputs)
+    with aot.caching(opts):
+        return backend(gm, example_inputs)
 
 
 @functools.cache
@@ -338,9 +350,29 @@ def _stride_plan(val: Any) -> tuple[int, ...] | None:
     return order
 
 
+def _user_outputs(name: str) -> int | None:
+    """Forward graphs return the user's outputs, then activations saved for the backward graph: those are read back
+    by value, so only the user's outputs get their expected strides (a permuted output costs a transpose here and
+    another read in the backward). How many are the user's, from AOTAutograd's tracing context; None for other
+    graphs."""
+    if not name.endswith("_forward"):
+        return None
+    tc = torch._guards.TracingContext.try_get()
+    meta = getattr(tc, "fw_metadata", None)
+    return getattr(meta, "num_forward", None)
+
+
+def _build_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str, n_user: int | None,
+                 opts: dict[str, Any]) -> Callable[..., Any]:
+    """compile_aten_graph for torch_tpu.compile_cache.aot: when a graph is compiled, and again when a later process
+    loads it from AOTAutograd's cache (with the n_user of the first process)."""
+    return compile_aten_graph(gm, example_inputs, name, opts, n_user)
+
+
 def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str,
-                       opts: dict[str, Any]) -> Callable[..., Any]:
-    """One AOTAutograd graph -> a boxed callable running it as one jitted XLA program."""
+                       opts: dict[str, Any], n_user: int | None) -> Callable[..., Any]:
+    """One AOTAutograd graph -> a boxed callable running it as one jitted XLA program; `n_user`: a forward graph's
+    count of user outputs (`_user_outputs`)."""
     counters["tpu"]["graphs"] += 1
     dump_dir = Path(opts["dump_dir"]) if opts.get("dump_dir") else None
     if dump_dir is not None:
@@ -365,14 +397,6 @@ def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
             "region (torch._dynamo.disable or torch.compiler.disable); or set TORCH_TPU_COMPILE_FALLBACK=eager "
             "(or options={'fallback': 'eager'}) to run such graphs op by op in tpu eager.")
 
-    # Forward graphs return the user's outputs, then activations saved for the backward graph: those are read back
-    # by value, so only the user's outputs get their expected strides (a permuted output costs a transpose here and
-    # another read in the backward).
-    n_user = None
-    if name.endswith("_forward"):
-        tc = torch._guards.TracingContext.try_get()
-        meta = getattr(tc, "fw_metadata", None)
-        n_user = getattr(meta, "num_forward", None)
     return _GraphProgram(gm, example_inputs, name, dump_dir, n_user).boxed()
 
 
