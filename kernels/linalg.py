@@ -11,7 +11,7 @@ import torch
 from torch_tpu import _executor, _runtime, _storage
 from torch_tpu._jax import jax, jnp, lax
 from torch_tpu.kernels._promote import dtype_name, wrap_arrays, write_outs
-from torch_tpu.kernels.registry import DEFAULT, direct, lower
+from torch_tpu.kernels.registry import DEFAULT, GRAPH_DECOMPOSITIONS, direct, lower
 
 
 
@@ -340,6 +340,26 @@ def _det_arrays(A: torch.Tensor, slog: bool) -> Any:
     if A.device.type != "tpu":
         raise RuntimeError(f"linalg.{'slogdet' if slog else 'det'}: expected a tpu tensor, got one on {A.device}")
     return _det_program(slog, A.is_contiguous() and not A.is_complex())(_storage.read(A))
+
+
+def _det_graph(A: torch.Tensor, slog: bool) -> tuple[torch.Tensor, ...]:
+    """The same contract in lowered ops, for torch.compile graphs (their fake tensors carry the layout)."""
+    op = "linalg.slogdet" if slog else "linalg.det"
+    if A.dim() < 2 or A.shape[-1] != A.shape[-2] or not (A.is_floating_point() or A.is_complex()):
+        raise RuntimeError(f"{op}: expected batches of square floating point or complex matrices, got "
+                           f"{list(A.shape)} {A.dtype}")
+    LU, piv, _ = torch.ops.aten.linalg_lu_factor_ex(A.mT if A.is_contiguous() and not A.is_complex() else A)
+    n = A.shape[-1]
+    diag = LU.diagonal(dim1=-2, dim2=-1)
+    swaps = (piv != torch.arange(1, n + 1, device=A.device, dtype=piv.dtype)).sum(-1)
+    perm_sign = (1 - 2 * (swaps % 2)).to(LU.dtype)
+    if not slog:
+        return perm_sign * diag.prod(-1), LU, piv
+    return perm_sign * diag.sgn().prod(-1), diag.abs().log().sum(-1), LU, piv
+
+
+GRAPH_DECOMPOSITIONS["_linalg_det"] = lambda A: _det_graph(A, False)
+GRAPH_DECOMPOSITIONS["_linalg_slogdet"] = lambda A: _det_graph(A, True)
 
 
 @direct("_linalg_det", defer=True)

@@ -63,6 +63,10 @@ DIRECT: dict[str, Callable[..., Any]] = {}
 # Direct kernels written for DEFER_AND_FUSE (they only use deferrable calls: _storage.read/write, wrap_arrays,
 # `_executor.jitted` helpers); every other direct kernel flushes pending work and runs eagerly.
 DEFERRABLE: set[str] = set()
+# Graph decompositions for direct kernels whose result depends on the operands' layout, which a lowering (a function
+# of arrays) cannot see: overload -> a function of torch tensors made of lowered ops. torch.compile applies them
+# while tracing, when the fake tensors still carry their strides.
+GRAPH_DECOMPOSITIONS: dict[str, Callable[..., Any]] = {}
 
 
 def lower(

@@ -81,3 +81,19 @@ def test_lu_solve_adjoint_matches_cpu() -> None:
         want = torch.linalg.lu_solve(LU, piv, B.mT, left=False, adjoint=adjoint)
         got = torch.linalg.lu_solve(dLU, dpiv, B.mT.to("tpu"), left=False, adjoint=adjoint).cpu()
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_det_family_under_compile(layout: str) -> None:
+    """torch.compile(backend='tpu') decomposes the ops with the same contract, deciding on the fake input's layout."""
+    A = _input((3, 3), layout, torch.float32, positive=True)
+    f = lambda a: torch.linalg.det(a) + torch.linalg.slogdet(a)[1] * 2 + torch.logdet(a)  # noqa: E731
+    cf = torch.compile(f, backend="tpu")
+    a = A.to("tpu").requires_grad_()
+    out = cf(a)
+    (g,) = torch.autograd.grad(out, a)
+    ac = A.clone().requires_grad_()
+    want = f(ac)
+    (wg,) = torch.autograd.grad(want, ac)
+    torch.testing.assert_close(out.detach().cpu(), want.detach(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(g.cpu(), wg, rtol=1e-4, atol=1e-4)

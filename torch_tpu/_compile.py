@@ -263,7 +263,14 @@ def decompositions() -> dict[Any, Callable[..., Any]]:
     for op in list(table):
         if isinstance(op, torch._ops.OpOverload) and _trace.overload_name(op) in registry.LOWERINGS:
             del table[op]
+    for name, fn in registry.GRAPH_DECOMPOSITIONS.items():
+        table[_trace_overload(name)] = fn
     return table
+
+
+def _trace_overload(name: str) -> Any:
+    packet, _, overload = name.partition(".")
+    return getattr(getattr(torch.ops.aten, packet), overload or "default")
 
 
 # =====================================================================================================================
