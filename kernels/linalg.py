@@ -11,7 +11,7 @@ import torch
 from torch_tpu import _executor, _runtime, _storage
 from torch_tpu._jax import jax, jnp, lax
 from torch_tpu.kernels._promote import dtype_name, wrap_arrays, write_outs
-from torch_tpu.kernels.registry import DEFAULT, GRAPH_DECOMPOSITIONS, direct, lower
+from torch_tpu.kernels.registry import DEFAULT, direct, lower
 
 
 
@@ -358,11 +358,7 @@ def _det_graph(A: torch.Tensor, slog: bool) -> tuple[torch.Tensor, ...]:
     return perm_sign * diag.sgn().prod(-1), diag.abs().log().sum(-1), LU, piv
 
 
-GRAPH_DECOMPOSITIONS["_linalg_det"] = lambda A: _det_graph(A, False)
-GRAPH_DECOMPOSITIONS["_linalg_slogdet"] = lambda A: _det_graph(A, True)
-
-
-@direct("_linalg_det", defer=True)
+@direct("_linalg_det", defer=True, graph=lambda A: _det_graph(A, False))
 def linalg_det(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return wrap_arrays(_det_arrays(A, False), A.device.index)
 
@@ -373,7 +369,7 @@ def linalg_det_out(A: torch.Tensor, *, result: torch.Tensor, LU: torch.Tensor, p
     return result, LU, pivots
 
 
-@direct("_linalg_slogdet", defer=True)
+@direct("_linalg_slogdet", defer=True, graph=lambda A: _det_graph(A, True))
 def linalg_slogdet(A: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return wrap_arrays(_det_arrays(A, True), A.device.index)
 
