@@ -205,3 +205,21 @@ def test_sgn_backward_and_efficientzerotensor() -> None:
     torch.testing.assert_close((z + 1).cpu(), torch.ones(2, 3, dtype=torch.float64))
     zc = torch.complex(torch.randn(4), torch.randn(4))
     _check_grads(lambda t: t.sgn().real, zc)
+
+
+def test_pad_unfold_sgn_gradients_under_compile() -> None:
+    def f(t: torch.Tensor) -> torch.Tensor:
+        return ((t.sgn() * t).sum() + t.unfold(1, 2, 1).pow(2).sum() + t.t().unfold(0, 3, 1).sum()
+                + F.pad(t[None], (2, 1), mode="reflect").pow(2).sum()
+                + F.pad(t[None, None], (1, 2, 2, 1), mode="replicate").pow(3).sum())
+
+    x = torch.randn(3, 4)
+    cf = torch.compile(f, backend="tpu")
+    a = x.to("tpu").requires_grad_()
+    out = cf(a)
+    (g,) = torch.autograd.grad(out, a)
+    xc = x.clone().requires_grad_()
+    want = f(xc)
+    (wg,) = torch.autograd.grad(want, xc)
+    torch.testing.assert_close(out.detach().cpu(), want.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g.cpu(), wg, rtol=1e-5, atol=1e-5)
