@@ -156,3 +156,85 @@ def test_autograd_through_conj_matmul() -> None:
         grads.append((a.grad.cpu(), b.grad.cpu()))
     torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grads[1][1], grads[0][1], rtol=1e-5, atol=1e-5)
+
+
+# ---- every OpInfo: a conjugate (complex64) or negative (float32) view gives CPU's result ----
+
+_RANDOM = ("normal", "bernoulli", "multinomial", "uniform", "cauchy", "exponential", "geometric", "log_normal")
+
+
+def _bit_sweep(kind: str) -> tuple[int, list[str]]:
+    """For each OpInfo's first sample: every floating (complex) tensor argument turned into a negative
+    (conjugate) view, on both devices. Compared where the op already agrees with CPU on plain tensors holding the
+    same values (the bit resolved first): (samples compared, the ones that differ)."""
+    import opinfo_harness as H
+    from torch.testing._internal.common_methods_invocations import op_db
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    dtype = torch.complex64 if kind == "conj" else torch.float32
+
+    def bit(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        if kind == "conj":
+            return x.conj() if x.is_complex() else x
+        return torch._neg_view(x) if x.is_floating_point() else x
+
+    def resolved(x):
+        return x.resolve_conj().resolve_neg() if isinstance(x, torch.Tensor) else x
+
+    def run(op, s, dev, lazy):
+        args = (s.input, s.args, s.kwargs)
+        if dev == "tpu":
+            args = tree_map(H._to_tpu, args)
+        args = tree_map(bit, args)
+        if not lazy:
+            args = tree_map(resolved, args)
+        torch.manual_seed(0)
+        out = op(args[0], *args[1], **args[2])
+        return [o.detach().cpu() if isinstance(o, torch.Tensor) else o for o in tree_flatten(out)[0]]
+
+    def same(a, b):
+        if len(a) != len(b):
+            return False
+        for x, y in zip(a, b):
+            if isinstance(x, torch.Tensor):
+                try:
+                    torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4, equal_nan=True)
+                except (AssertionError, TypeError):
+                    return False
+        return True
+
+    compared, differ = 0, []
+    for op in op_db:
+        if (dtype not in op.supported_dtypes("cpu") or "dropout" in op.name or "empty" in op.name
+                or any(r in op.name for r in _RANDOM) or op.name.endswith("_like")):
+            continue
+        try:
+            torch.manual_seed(0)
+            sample = next(iter(op.sample_inputs("cpu", dtype)))
+            if not same(run(op, sample, "cpu", False), run(op, sample, "tpu", False)):
+                continue  # not this test's concern: plain inputs already differ (the OpInfo suite's job)
+            want = run(op, sample, "cpu", True)
+        except Exception:
+            continue
+        compared += 1
+        try:
+            ok = same(want, run(op, sample, "tpu", True))
+            why = "values differ"
+        except Exception as e:  # noqa: BLE001 - an error where CPU computes is a difference too
+            ok, why = False, f"{type(e).__name__}: {str(e)[:120]}"
+        if not ok:
+            differ.append(f"{op.name}.{op.variant_test_name}: {why}")
+    return compared, differ
+
+
+@pytest.mark.parametrize("kind", ["conj", "neg"])
+def test_every_opinfo_with_lazy_bit_inputs(kind: str) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compared, differ = _bit_sweep(kind)
+    assert compared > 250, compared  # the sweep reaches most of the suite's ops
+    assert differ == [], differ
