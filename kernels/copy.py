@@ -24,24 +24,10 @@ def _convert(shape: tuple[int, ...], dtype: Any) -> Any:
     return _executor.jitted(convert, key=(shape, dtype))
 
 
-_conj = _executor.jitted(lambda v: jnp.conj(v), key="conj")
-_neg = _executor.jitted(lambda v: -v, key="neg")
-
-
-def _read_resolved(src: torch.Tensor, dst: torch.Tensor) -> Any:
-    """src's values with its lazy conjugate/negative bits applied relative to dst's (copy_ resolves them)."""
-    val = _storage.read(src)
-    if src.is_conj() != dst.is_conj():
-        val = _conj(val)
-    if src.is_neg() != dst.is_neg():
-        val = _neg(val)
-    return val
-
-
 def _value_for(dst: torch.Tensor, src: torch.Tensor) -> Any:
     index = dst.device.index
     if src.device.type == "tpu":
-        val = _read_resolved(src, dst)
+        val = _storage.read(src)  # its value: lazy conjugate/negative bits applied (and dst's by write)
         if src.device.index != index:
             val = jax.device_put(_executor.concrete(val, "transfer"), _runtime.device(index))
     else:
@@ -66,7 +52,7 @@ def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> 
         _storage.write(self, _value_for(self, src))
     elif src.device.type == "tpu":
         # To the host (or another backend): fetch, then let that device's copy_ cast and broadcast.
-        self.copy_(_runtime.download(_executor.concrete(_read_resolved(src, self), "to_cpu")))
+        self.copy_(_runtime.download(_executor.concrete(_storage.read(src), "to_cpu")))
     else:
         raise RuntimeError(f"torch_tpu: copy_ from {src.device} to {self.device} reached the tpu backend")
     return self

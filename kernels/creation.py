@@ -420,3 +420,16 @@ def multinomial(self: torch.Tensor, num_samples: int, replacement: bool = False,
 
 
 direct("multinomial.out")(_out_form(multinomial))
+
+
+@direct("_efficientzerotensor", defer=True)
+def _efficientzerotensor(size: Any, dtype: torch.dtype | None = None, layout: Any = None, device: Any = None,
+                         pin_memory: Any = None) -> torch.Tensor:
+    """The zeros autograd makes for a gradient it knows is zero (sgn's backward of a real input, undefined
+    gradients of linalg backwards). CPU/CUDA return a ZeroTensor (a tensor without storage that ops skip); here
+    it is an ordinary tensor of zeros: the same values, without that shortcut."""
+    dtype = dtype if dtype is not None else torch.get_default_dtype()
+    dev = torch.device(device) if device is not None else torch.device("tpu")
+    index = dev.index if dev.index is not None else torch.tpu.current_device()
+    shape = tuple(int(s) for s in size)
+    return wrap_arrays(_full(shape, _runtime.jax_dtype(dtype), index)(0), index)

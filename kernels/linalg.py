@@ -3,12 +3,15 @@ add forms, and the decompositions and solvers of torch.linalg on jnp.linalg / ja
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from torch_tpu import _runtime
+import torch
+
+from torch_tpu import _executor, _runtime, _storage
 from torch_tpu._jax import jax, jnp, lax
-from torch_tpu.kernels._promote import dtype_name
-from torch_tpu.kernels.registry import DEFAULT, lower
+from torch_tpu.kernels._promote import dtype_name, wrap_arrays, write_outs
+from torch_tpu.kernels.registry import DEFAULT, direct, lower
 
 
 
@@ -305,24 +308,77 @@ def linalg_lu(A: Any, pivot: bool = True) -> tuple[Any, Any, Any]:
     return P, L, U
 
 
-@lower("_linalg_det")
-def linalg_det(A: Any) -> tuple[Any, Any, Any]:
+# PyTorch's contract for _linalg_det/_linalg_slogdet's LU and pivots (ATen's kernel, which its backward formulas
+# read): they factor A^T when A is a contiguous real matrix (det(A^T) = det(A); LAPACK wants column-major), else A,
+# and the backward solves with adjoint = not that. So the factorization depends on the input's layout, which a
+# lowering (a function of arrays) cannot see: these are direct kernels, calling one jitted program per choice.
+def _det_math(A: Any, transposed: bool) -> tuple[Any, Any, Any]:
     _check_float("linalg.det", A)
     _check_square("linalg.det", A)
-    lu, piv, _ = _lu(A)
+    lu, piv, _ = _lu(_mT(A) if transposed else A)
     sign, diag = _lu_det(lu, piv)
     return sign * jnp.prod(diag, axis=-1), lu, piv
 
 
-@lower("_linalg_slogdet")
-def linalg_slogdet(A: Any) -> tuple[Any, Any, Any, Any]:
+def _slogdet_math(A: Any, transposed: bool) -> tuple[Any, Any, Any, Any]:
     _check_float("linalg.slogdet", A)
     _check_square("linalg.slogdet", A)
-    lu, piv, _ = _lu(A)
+    lu, piv, _ = _lu(_mT(A) if transposed else A)
     sign, diag = _lu_det(lu, piv)
     s = sign * jnp.prod(jnp.sign(diag), axis=-1)
     logabs = jnp.sum(jnp.log(jnp.abs(diag)), axis=-1)
     return s, logabs.astype(jnp.abs(diag).dtype), lu, piv
+
+
+@functools.lru_cache(maxsize=None)
+def _det_program(slog: bool, transposed: bool) -> Any:
+    math = _slogdet_math if slog else _det_math
+    return _executor.jitted(lambda A: math(A, transposed), key=("slogdet" if slog else "det", transposed))
+
+
+def _det_arrays(A: torch.Tensor, slog: bool) -> Any:
+    if A.device.type != "tpu":
+        raise RuntimeError(f"linalg.{'slogdet' if slog else 'det'}: expected a tpu tensor, got one on {A.device}")
+    return _det_program(slog, A.is_contiguous() and not A.is_complex())(_storage.read(A))
+
+
+def _det_graph(A: torch.Tensor, slog: bool) -> tuple[torch.Tensor, ...]:
+    """The same contract in lowered ops, for torch.compile graphs (their fake tensors carry the layout)."""
+    op = "linalg.slogdet" if slog else "linalg.det"
+    if A.dim() < 2 or A.shape[-1] != A.shape[-2] or not (A.is_floating_point() or A.is_complex()):
+        raise RuntimeError(f"{op}: expected batches of square floating point or complex matrices, got "
+                           f"{list(A.shape)} {A.dtype}")
+    LU, piv, _ = torch.ops.aten.linalg_lu_factor_ex(A.mT if A.is_contiguous() and not A.is_complex() else A)
+    n = A.shape[-1]
+    diag = LU.diagonal(dim1=-2, dim2=-1)
+    swaps = (piv != torch.arange(1, n + 1, device=A.device, dtype=piv.dtype)).sum(-1)
+    perm_sign = (1 - 2 * (swaps % 2)).to(LU.dtype)
+    if not slog:
+        return perm_sign * diag.prod(-1), LU, piv
+    return perm_sign * diag.sgn().prod(-1), diag.abs().log().sum(-1), LU, piv
+
+
+@direct("_linalg_det", defer=True, graph=lambda A: _det_graph(A, False))
+def linalg_det(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return wrap_arrays(_det_arrays(A, False), A.device.index)
+
+
+@direct("_linalg_det.result", defer=True)
+def linalg_det_out(A: torch.Tensor, *, result: torch.Tensor, LU: torch.Tensor, pivots: torch.Tensor) -> tuple:
+    write_outs("_linalg_det", (result, LU, pivots), _det_arrays(A, False))
+    return result, LU, pivots
+
+
+@direct("_linalg_slogdet", defer=True, graph=lambda A: _det_graph(A, True))
+def linalg_slogdet(A: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return wrap_arrays(_det_arrays(A, True), A.device.index)
+
+
+@direct("_linalg_slogdet.sign", defer=True)
+def linalg_slogdet_out(A: torch.Tensor, *, sign: torch.Tensor, logabsdet: torch.Tensor, LU: torch.Tensor,
+                       pivots: torch.Tensor) -> tuple:
+    write_outs("_linalg_slogdet", (sign, logabsdet, LU, pivots), _det_arrays(A, True))
+    return sign, logabsdet, LU, pivots
 
 
 @lower("linalg_inv_ex")

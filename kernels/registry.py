@@ -63,6 +63,10 @@ DIRECT: dict[str, Callable[..., Any]] = {}
 # Direct kernels written for DEFER_AND_FUSE (they only use deferrable calls: _storage.read/write, wrap_arrays,
 # `_executor.jitted` helpers); every other direct kernel flushes pending work and runs eagerly.
 DEFERRABLE: set[str] = set()
+# Graph decompositions of direct kernels whose result depends on the operands' layout, which a lowering (a function
+# of arrays) cannot see (`direct(..., graph=fn)`): overload -> a function of torch tensors made of lowered ops.
+# torch.compile applies them while tracing, when the fake tensors still carry their strides.
+GRAPH_DECOMPOSITIONS: dict[str, Callable[..., Any]] = {}
 
 
 def lower(
@@ -88,9 +92,10 @@ def lower(
     return deco
 
 
-def direct(*names: str, defer: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def direct(*names: str, defer: bool = False, graph: Callable[..., Any] | None = None
+           ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Registers a kernel written against torch tensors. `defer=True` declares it safe to record under
-    DEFER_AND_FUSE (see DEFERRABLE)."""
+    DEFER_AND_FUSE (see DEFERRABLE); `graph` is its decomposition for torch.compile graphs (GRAPH_DECOMPOSITIONS)."""
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         for name in names:
             if name in LOWERINGS or name in DIRECT:
@@ -98,6 +103,8 @@ def direct(*names: str, defer: bool = False) -> Callable[[Callable[..., Any]], C
             DIRECT[name] = fn
             if defer:
                 DEFERRABLE.add(name)
+            if graph is not None:
+                GRAPH_DECOMPOSITIONS[name] = graph
         return fn
 
     return deco

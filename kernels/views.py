@@ -99,6 +99,17 @@ def transpose(self: Any, dim0: int, dim1: int) -> Any:
     return jnp.swapaxes(self, _dim(dim0, self.ndim), _dim(dim1, self.ndim))
 
 
+@lower("unfold", **_T)
+def unfold(self: Any, dimension: int, size: int, step: int) -> Any:
+    """Tensor.unfold in a graph: the windows gathered along `dimension`, each window's elements as a new last dim."""
+    if self.ndim == 0:
+        return self.reshape(1)
+    d = _dim(dimension, self.ndim)
+    windows = (self.shape[d] - size) // step + 1
+    idx = jnp.arange(windows)[:, None] * step + jnp.arange(size)[None, :]
+    return jnp.moveaxis(jnp.take(self, idx, axis=d), d + 1, -1)
+
+
 @lower("expand", "expand_copy", **_T)
 def expand(self: Any, size: Sequence[int], implicit: bool = False) -> Any:
     lead = len(size) - self.ndim

@@ -94,7 +94,7 @@ PyObject* whole_array(c10::TensorImpl* impl, int* device) {
   TpuBuffer* buf = buffer_of(impl->unsafe_storage());
   dispatch_resolve_pending(buf);
   if (buf->array == nullptr || buf->array_dtype != impl->dtype().toScalarType() ||
-      !impl->sizes().equals(buf->array_shape) || !impl->is_contiguous())
+      !impl->sizes().equals(buf->array_shape) || !impl->is_contiguous() || has_math_bits(impl))
     return nullptr;
   *device = idx;
   return buf->array;
@@ -311,7 +311,7 @@ class EagerKernel final : public c10::OperatorKernel {
       const at::Tensor& target = iv[0].toTensor();
       c10::TensorImpl* impl = target.unsafeGetTensorImpl();
       TpuBuffer* buf = buffer_of(impl->unsafe_storage());
-      if (stype != impl->dtype().toScalarType() || !impl->sizes().equals(shape) ||
+      if (stype != impl->dtype().toScalarType() || !impl->sizes().equals(shape) || has_math_bits(impl) ||
           static_cast<size_t>(impl->numel()) * c10::elementSize(stype) != buf->nbytes) {
         Py_DECREF(out);
         return false;

@@ -106,7 +106,7 @@ PyObject* py_array(PyObject* /*self*/, PyObject* obj) {
   resolve_placeholder(buf);
   if (buf->array == nullptr || buf->array_dtype != impl->dtype().toScalarType()) Py_RETURN_NONE;
   auto sizes = impl->sizes();
-  if (!sizes.equals(buf->array_shape) || !impl->is_contiguous()) Py_RETURN_NONE;
+  if (!sizes.equals(buf->array_shape) || !impl->is_contiguous() || has_math_bits(impl)) Py_RETURN_NONE;
   Py_INCREF(buf->array);
   return buf->array;
   END_HANDLE_TH_ERRORS
@@ -216,7 +216,7 @@ PyObject* py_fast_args(PyObject* /*self*/, PyObject* args) {
       resolve_placeholder(buf);
       if ((device >= 0 && idx != device) || buf->array == nullptr ||
           buf->array_dtype != impl->dtype().toScalarType() || !impl->sizes().equals(buf->array_shape) ||
-          !impl->is_contiguous()) {
+          !impl->is_contiguous() || has_math_bits(impl)) {
         Py_DECREF(dyn);
         Py_RETURN_NONE;
       }
@@ -244,7 +244,9 @@ PyObject* py_fast_args(PyObject* /*self*/, PyObject* args) {
 // The check and swap both take: 1 when `impl` views its whole storage and `array` has exactly its shape and dtype
 // (the storage now holds `array`), 0 when not (nothing changes), -1 with a Python error set.
 int swap_whole(c10::TensorImpl* impl, PyObject* array) {
-  if (impl->device_type() != kTpu || impl->storage_offset() != 0 || !impl->is_contiguous()) return 0;
+  if (impl->device_type() != kTpu || impl->storage_offset() != 0 || !impl->is_contiguous() ||
+      has_math_bits(impl))
+    return 0;
   TpuBuffer* buf = buffer_of(impl->unsafe_storage());
   c10::ScalarType st = impl->dtype().toScalarType();
   if (static_cast<size_t>(impl->numel()) * c10::elementSize(st) != buf->nbytes) return 0;
@@ -301,7 +303,7 @@ PyObject* py_whole_arrays(PyObject* /*self*/, PyObject* args) {
     PyObject* arr = buf->array;
     if (arr == nullptr || reinterpret_cast<PyObject*>(Py_TYPE(arr)) != g_array_type ||
         buf->array_dtype != impl->dtype().toScalarType() || !impl->sizes().equals(buf->array_shape) ||
-        !impl->is_contiguous()) {
+        !impl->is_contiguous() || has_math_bits(impl)) {
       Py_DECREF(out);
       Py_RETURN_NONE;
     }

@@ -11,6 +11,7 @@
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 #include <c10/core/Storage.h>
+#include <c10/core/TensorImpl.h>
 
 #include <cstdint>
 #include <string>
@@ -40,6 +41,9 @@ void set_buffer_array(TpuBuffer* buf, PyObject* array, c10::ScalarType dtype,
 c10::Storage make_storage(PyObject* array, c10::ScalarType dtype, std::vector<int64_t> shape,
                           size_t nbytes, c10::DeviceIndex device);
 int64_t live_buffers();
+// A tensor with a lazy conjugate or negative bit stands for the conjugate/negation of its storage's elements: the
+// whole-array fast paths decline it, so the Python storage layer (torch_tpu/_storage.py) resolves the bit.
+inline bool has_math_bits(const c10::TensorImpl* impl) { return impl->is_conj() || impl->is_neg(); }
 
 // ---- devices (TpuGuard.cpp) ----
 // Number of devices. Starts the runtime (PJRT client) on first use through a Python callback.

@@ -107,3 +107,119 @@ def test_gradient_accumulation_equals_full_batch() -> None:
     for half in (x[:4], x[4:]):
         (lin(half).pow(2).mean() / 2).backward()
     torch.testing.assert_close(lin.weight.grad.cpu(), full.cpu(), rtol=1e-5, atol=1e-6)
+
+
+def _input_grads(f, xs: list[torch.Tensor], dev: str, seed: int = 0) -> list[torch.Tensor]:
+    """Gradients of f's output (one random upstream gradient, the same on both devices) w.r.t. xs."""
+    ins = [x.to(dev).requires_grad_() for x in xs]
+    out = f(*ins)
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype).to(dev)
+    return [g.cpu() for g in torch.autograd.grad(out, ins, up)]
+
+
+def _check_grads(f, *xs: torch.Tensor) -> None:
+    want = _input_grads(f, list(xs), "cpu")
+    got = _input_grads(f, list(xs), "tpu")
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+# The pads' backward kernels (reflection/replication_pad{1,2,3}d_backward): overlapping reads sum.
+PADS = {
+    "reflection1d": (nn.ReflectionPad1d((3, 1)), (2, 3, 6)),
+    "reflection1d_unbatched": (nn.ReflectionPad1d(2), (3, 5)),
+    "reflection2d": (nn.ReflectionPad2d((1, 2, 3, 0)), (2, 2, 5, 4)),
+    "reflection3d": (nn.ReflectionPad3d((1, 1, 2, 0, 0, 1)), (1, 2, 3, 4, 3)),
+    "replication1d": (nn.ReplicationPad1d((4, 2)), (2, 3, 3)),
+    "replication2d": (nn.ReplicationPad2d((2, 3, 1, 4)), (2, 2, 3, 3)),
+    "replication2d_unbatched": (nn.ReplicationPad2d(2), (2, 3, 3)),
+    "replication3d": (nn.ReplicationPad3d((1, 2, 0, 3, 2, 1)), (1, 2, 2, 3, 2)),
+    "F.pad_reflect": (lambda x: F.pad(x, (2, 2, 1, 1), mode="reflect"), (1, 3, 4, 4)),
+    "F.pad_replicate": (lambda x: F.pad(x, (3, 0), mode="replicate"), (2, 2, 5)),
+    "F.pad_circular": (lambda x: F.pad(x, (2, 1), mode="circular"), (2, 2, 5)),
+    "negative_crop": (nn.ReplicationPad2d((-1, 2, 1, -1)), (1, 1, 4, 4)),
+}
+
+
+@pytest.mark.parametrize("name", list(PADS))
+def test_padding_backward_matches_cpu(name: str) -> None:
+    f, shape = PADS[name]
+    _check_grads(f, torch.randn(*shape))
+
+
+def test_padding_backward_modes_and_errors() -> None:
+    x = torch.randn(2, 3, 6, requires_grad=True)
+    for mode in (torch.tpu.EagerMode.DEFER_AND_FUSE, torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING):
+        saved = torch.tpu.eager_mode
+        torch.tpu.eager_mode = mode
+        try:
+            got = _input_grads(lambda t: F.pad(t, (2, 3), mode="reflect"), [x.detach()], "tpu")
+        finally:
+            torch.tpu.eager_mode = saved
+        want = _input_grads(lambda t: F.pad(t, (2, 3), mode="reflect"), [x.detach()], "cpu")
+        torch.testing.assert_close(got[0], want[0])
+    g = torch.ones(2, 3, 9, device="tpu")
+    with pytest.raises(RuntimeError, match="reflection_pad1d_backward"):
+        torch.ops.aten.reflection_pad1d_backward(g, x.detach().to("tpu"), [2, 2])
+
+
+def test_conv_with_reflect_padding_trains_like_cpu() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, padding_mode="reflect"), nn.ReplicationPad2d(1),
+                          nn.Conv2d(4, 3, 3, padding=1, padding_mode="replicate"), nn.Flatten(), nn.Linear(3 * 8 * 8, 5))
+    x, y = torch.randn(3, 2, 6, 6), torch.randint(0, 5, (3,))
+    opt = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    cpu = _train(model, opt, x, y, "cpu", 4)
+    tpu = _train(model, opt, x, y, "tpu", 4)
+    assert cpu[-1] < cpu[0]
+    torch.testing.assert_close(torch.tensor(tpu), torch.tensor(cpu), rtol=1e-4, atol=1e-4)
+
+
+def test_stft_backward_matches_cpu() -> None:
+    """stft pads reflectively (center=True): its backward needs reflection_pad1d_backward."""
+    w = torch.hann_window(16)
+    f = lambda s: torch.stft(s, 16, hop_length=4, window=w.to(s.device), return_complex=True).abs()  # noqa: E731
+    _check_grads(f, torch.randn(2, 64))
+
+
+@pytest.mark.parametrize("args", [(1, 3, 2), (0, 2, 2), (-1, 3, 1), (2, 1, 3), (1, 5, 5), (0, 4, 3)])
+def test_unfold_backward_matches_cpu(args: tuple[int, int, int]) -> None:
+    dim, size, step = args
+    _check_grads(lambda t: t.unfold(dim, size, step) * 2, torch.randn(4, 5, 6))
+
+
+def test_unfold_backward_0d_and_after_view() -> None:
+    _check_grads(lambda t: t.unfold(0, 1, 1) * 3, torch.randn(()))
+    _check_grads(lambda t: t.t().unfold(1, 2, 1).sum(-1), torch.randn(5, 4))
+
+
+def test_sgn_backward_and_efficientzerotensor() -> None:
+    """sgn's gradient of a real input is autograd's _efficientzerotensor: zeros of the input's shape on tpu."""
+    x = torch.randn(3, 4)
+    _check_grads(lambda t: t.sgn() * t, x)
+    _check_grads(lambda t: t.sgn(), x)
+    _check_grads(lambda t: t.sign() + t.sgn().sum(), x)
+    z = torch.ops.aten._efficientzerotensor([2, 3], dtype=torch.float64, device="tpu")
+    assert z.device.type == "tpu" and z.dtype == torch.float64 and z.shape == (2, 3)
+    torch.testing.assert_close(z.cpu(), torch.zeros(2, 3, dtype=torch.float64))
+    torch.testing.assert_close((z + 1).cpu(), torch.ones(2, 3, dtype=torch.float64))
+    zc = torch.complex(torch.randn(4), torch.randn(4))
+    _check_grads(lambda t: t.sgn().real, zc)
+
+
+def test_pad_unfold_sgn_gradients_under_compile() -> None:
+    def f(t: torch.Tensor) -> torch.Tensor:
+        return ((t.sgn() * t).sum() + t.unfold(1, 2, 1).pow(2).sum() + t.t().unfold(0, 3, 1).sum()
+                + F.pad(t[None], (2, 1), mode="reflect").pow(2).sum()
+                + F.pad(t[None, None], (1, 2, 2, 1), mode="replicate").pow(3).sum())
+
+    x = torch.randn(3, 4)
+    cf = torch.compile(f, backend="tpu")
+    a = x.to("tpu").requires_grad_()
+    out = cf(a)
+    (g,) = torch.autograd.grad(out, a)
+    xc = x.clone().requires_grad_()
+    want = f(xc)
+    (wg,) = torch.autograd.grad(want, xc)
+    torch.testing.assert_close(out.detach().cpu(), want.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g.cpu(), wg, rtol=1e-5, atol=1e-5)

@@ -92,7 +92,7 @@ def test_registry_is_the_table_only() -> None:
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             defined.update(t.id for t in targets if isinstance(t, ast.Name))
-    table = {"Lowering", "LOWERINGS", "DIRECT", "DEFERRABLE", "lower", "direct",
+    table = {"Lowering", "LOWERINGS", "DIRECT", "DEFERRABLE", "GRAPH_DECOMPOSITIONS", "lower", "direct",
              "DEFAULT", "INT_TO_FLOAT", "ALWAYS_BOOL", "COMPLEX_TO_FLOAT", "BOOL_TO_LONG", "NO_OPMATH"}
     assert defined == table
     assert not [m for m in _imports(path) if m.startswith("torch_tpu")]
@@ -141,7 +141,8 @@ def test_installed_modules_match_the_layering() -> None:
     public = {n for n in vars(registry) if not n.startswith("_")} - {"annotations", "dataclasses", "Any",
                                                                          "Callable", "Sequence",
                                                                          "ELEMENTWISE_TYPE_PROMOTION_KIND"}
-    assert public == {"Lowering", "LOWERINGS", "DIRECT", "DEFERRABLE", "lower", "direct", "DEFAULT",
+    assert public == {"Lowering", "LOWERINGS", "DIRECT", "DEFERRABLE", "GRAPH_DECOMPOSITIONS", "lower", "direct",
+                      "DEFAULT",
                       "INT_TO_FLOAT", "ALWAYS_BOOL", "COMPLEX_TO_FLOAT", "BOOL_TO_LONG", "NO_OPMATH"}
     assert torch_tpu._eager.KERNELS and "add.Tensor" in torch_tpu._eager.KERNELS
     assert torch_tpu._trace.traceable("add.Tensor")

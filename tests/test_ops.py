@@ -236,3 +236,49 @@ def test_indexing_with_cpu_index_tensors() -> None:
         t[torch.tensor([5])].cpu()
     with pytest.raises(RuntimeError, match="same device"):
         torch.index_select(t, 0, idx)
+
+
+def test_argument_checks_match_cpu() -> None:
+    """Checks CPU makes that the tpu kernels used to skip: same error type, CPU's wording."""
+    x = torch.tensor([0.0, 1.0, 2.0])
+    cases = [
+        (lambda d: torch.nonzero(x.to(d), out=torch.empty(0, device=d)),
+         "nonzero: Expected out tensor to have scalar type Long but got scalar typeFloat"),
+        (lambda d: torch.nonzero(x.to(d), out=torch.empty(0, dtype=torch.int32, device=d)),
+         "nonzero: Expected out tensor to have scalar type Long but got scalar typeInt"),
+        (lambda d: torch.nonzero_static(x.to(d), size=2, out=torch.empty(0, device=d)),
+         "nonzero_static: Expected out tensor to have scalar type Long"),
+        (lambda d: torch.nn.LayerNorm(()).to(d)(torch.tensor(1.0, device=d)),
+         r"Expected normalized_shape to be at least 1-dimensional"),
+        (lambda d: torch.nn.InstanceNorm2d(3, affine=True).to(d)(torch.randn(2, 3, 4, 4, dtype=torch.float64,
+                                                                              device=d)),
+         r"mixed dtype \(CPU\): all inputs must share same datatype"),
+        (lambda d: torch.nn.functional.layer_norm(torch.randn(2, 4, device=d), (4,),
+                                                  torch.ones(4, dtype=torch.float64, device=d)),
+         r"mixed dtype \(CPU\): expect parameter to have scalar type of Float"),
+        (lambda d: torch.nn.functional.group_norm(torch.randn(2, 4, 3, dtype=torch.float64, device=d), 2,
+                                                  torch.ones(4, device=d), torch.zeros(4, device=d)),
+         r"mixed dtype \(CPU\): all inputs must share same datatype"),
+        (lambda d: torch.nn.functional.batch_norm(torch.randn(2, 4, 3, dtype=torch.bfloat16, device=d), None, None,
+                                                  torch.ones(4, dtype=torch.float64, device=d), None, training=True),
+         r"mixed dtype \(CPU\): expect parameter to have scalar type of Float"),
+    ]
+    for f, message in cases:
+        for d in ("cpu", "tpu"):
+            with pytest.raises(RuntimeError, match=message):
+                f(d)
+    # what stays allowed: int64 out, and bfloat16/float16 inputs with float32 parameters
+    out = torch.empty(0, dtype=torch.int64, device="tpu")
+    torch.nonzero(x.to("tpu"), out=out)
+    assert out.cpu().tolist() == [[1], [2]]
+    for dt in (torch.bfloat16, torch.float16):
+        xb = torch.randn(2, 3, 4, 4).to(dt)
+        m = torch.nn.InstanceNorm2d(3, affine=True)
+        with torch.no_grad():
+            m.weight.uniform_()
+        want = m(xb)
+        got = m.to("tpu")(xb.to("tpu"))
+        assert got.dtype == dt
+        torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=2e-2)
+        ln = torch.nn.LayerNorm(4)
+        torch.testing.assert_close(ln.to("tpu")(xb.to("tpu")).cpu(), ln.cpu()(xb), rtol=2e-2, atol=2e-2)

@@ -45,6 +45,7 @@ from torch._dynamo.utils import counters
 from torch_tpu import _C, _checks, _executor, _rng, _runtime, _storage, _trace
 from torch_tpu._jax import jax
 from torch_tpu.kernels import registry
+from torch_tpu.kernels._schema import _overload
 
 aten = torch.ops.aten
 
@@ -275,6 +276,8 @@ def decompositions() -> dict[Any, Callable[..., Any]]:
     for op in list(table):
         if isinstance(op, torch._ops.OpOverload) and _trace.overload_name(op) in registry.LOWERINGS:
             del table[op]
+    for name, fn in registry.GRAPH_DECOMPOSITIONS.items():
+        table[_overload(name)] = fn  # direct kernels' graph forms (their result depends on the layout)
     return table
 
 

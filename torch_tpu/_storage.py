@@ -6,6 +6,13 @@ sizes, strides, offset and dtype. Reading: the whole array as is (fast path, in 
 as a slice, a permutation or broadcast as transpose/broadcast, anything else as a gather. Writing: the whole
 storage is replaced; otherwise the value is update-sliced or scattered into the base array, which is then
 swapped in. Views that reinterpret the dtype bitcast through bytes. Every geometry is one cached jit.
+
+A tensor's lazy conjugate and negative bits (`z.conj()`, `torch._neg_view`) are resolved here, at the one place
+values cross between tensors and arrays: `read` returns the value the tensor stands for (the conjugate/negation
+of its storage's elements), and `write` stores the conjugate/negation of the value, so no lowering ever sees a
+bit (PyTorch's Conjugate/Negative fallbacks already resolve them for most ops; the ones it lets through, e.g.
+dot, mm, addmm, bmm, copy_, reach the kernels with the bit set). The C++ whole-array fast paths decline such
+tensors (runtime/TpuPython.cpp, TpuDispatch.cpp), so they come here.
 """
 
 from __future__ import annotations
@@ -95,23 +102,34 @@ def _read_flat(flat: Any, sizes: tuple[int, ...], strides: tuple[int, ...], offs
     return flat[_gather_index(sizes, strides, offset)]
 
 
+def _apply_bits(x: Any, conj: bool, neg: bool) -> Any:
+    """The value a tensor with these lazy bits stands for, from its storage's elements (its own inverse)."""
+    if conj and jnp.iscomplexobj(x):
+        x = jnp.conj(x)
+    if neg:
+        x = -x
+    return x
+
+
 @functools.lru_cache(maxsize=4096)
-def _reader(base_shape: tuple[int, ...], base_dtype: Any, dtype: Any, geom: Geometry) -> Any:
+def _reader(base_shape: tuple[int, ...], base_dtype: Any, dtype: Any, geom: Geometry, conj: bool = False,
+            neg: bool = False) -> Any:
     sizes, strides, offset = geom
 
     def read(base: Any) -> Any:
-        return _read_flat(_flat_as(base, dtype), sizes, strides, offset)
+        return _apply_bits(_read_flat(_flat_as(base, dtype), sizes, strides, offset), conj, neg)
 
-    return _executor.jitted(read, key=(base_shape, base_dtype, dtype, geom))
+    return _executor.jitted(read, key=(base_shape, base_dtype, dtype, geom, conj, neg))
 
 
 @functools.lru_cache(maxsize=4096)
-def _writer(base_shape: tuple[int, ...], base_dtype: Any, dtype: Any, geom: Geometry) -> Any:
+def _writer(base_shape: tuple[int, ...], base_dtype: Any, dtype: Any, geom: Geometry, conj: bool = False,
+            neg: bool = False) -> Any:
     sizes, strides, offset = geom
 
     def write(base: Any, value: Any) -> Any:
         flat = _flat_as(base, dtype)
-        value = value.astype(dtype).reshape(sizes)
+        value = _apply_bits(value.astype(dtype).reshape(sizes), conj, neg)
         if math.prod(sizes) == 0:
             return base
         if _is_contiguous(sizes, strides):
@@ -122,13 +140,14 @@ def _writer(base_shape: tuple[int, ...], base_dtype: Any, dtype: Any, geom: Geom
             flat = _from_bytes(_to_bytes(flat), base_dtype)
         return flat.reshape(base_shape)
 
-    return _executor.jitted(write, key=(base_shape, base_dtype, dtype, geom))
+    return _executor.jitted(write, key=(base_shape, base_dtype, dtype, geom, conj, neg))
 
 
 @functools.lru_cache(maxsize=4096)
-def _caster(shape: tuple[int, ...], dtype: Any) -> Any:
-    """Cast to `dtype` and reshape to `shape` (a value written over a whole storage)."""
-    return _executor.jitted(lambda v: v.astype(dtype).reshape(shape), key=(shape, dtype))
+def _caster(shape: tuple[int, ...], dtype: Any, conj: bool = False, neg: bool = False) -> Any:
+    """Cast to `dtype` and reshape to `shape` (a value written over a whole storage), with a target's lazy bits."""
+    return _executor.jitted(lambda v: _apply_bits(v.astype(dtype).reshape(shape), conj, neg),
+                            key=(shape, dtype, conj, neg))
 
 
 def _geometry(t: torch.Tensor) -> Geometry:
@@ -145,33 +164,36 @@ def _zeros_base(nbytes: int, dtype: Any, index: int) -> Any:
 
 
 def read(t: torch.Tensor) -> Any:
-    """The value of tpu tensor `t` as a device array of its shape and dtype."""
-    arr = _C._array(t)
+    """The value of tpu tensor `t` as a device array of its shape and dtype (its conjugate/negative bits
+    applied)."""
+    arr = _C._array(t)  # (None for a tensor with a lazy bit)
     if arr is not None:
         return arr
     base, nbytes, index = _C._storage_array(t)
     dtype = _runtime.jax_dtype(t.dtype)
     if base is None:  # never written: reads as zeros
         return jax.device_put(jnp.zeros(tuple(t.shape), dtype), _runtime.device(index))
-    return _reader(base.shape, base.dtype, dtype, _geometry(t))(base)
+    return _reader(base.shape, base.dtype, dtype, _geometry(t), t.is_conj(), t.is_neg())(base)
 
 
 def write(t: torch.Tensor, value: Any) -> None:
-    """Writes `value` (t's shape; cast to t's dtype) into tpu tensor `t`, through its storage."""
+    """Writes `value` (t's shape; cast to t's dtype) into tpu tensor `t`, through its storage (a conjugate or
+    negative view stores the conjugate/negation, so that `t` then reads as `value`)."""
     dtype = _runtime.jax_dtype(t.dtype)
     base, nbytes, index = _C._storage_array(t)
+    conj, neg = t.is_conj(), t.is_neg()
     if (
         t.storage_offset() == 0
         and t.is_contiguous()
         and t.numel() * t.element_size() == nbytes
     ):
-        if value.dtype != dtype or tuple(value.shape) != tuple(t.shape):
-            value = _caster(tuple(t.shape), dtype)(value)
+        if value.dtype != dtype or tuple(value.shape) != tuple(t.shape) or conj or neg:
+            value = _caster(tuple(t.shape), dtype, conj, neg)(value)
         _C._set_array(t, value, t.dtype)
         return
     if base is None:
         base = _zeros_base(nbytes, dtype, index)
-    new = _writer(base.shape, base.dtype, dtype, _geometry(t))(base, value)
+    new = _writer(base.shape, base.dtype, dtype, _geometry(t), conj, neg)(base, value)
     _C._set_array(t, new, _runtime.torch_dtype(new.dtype))
 
 

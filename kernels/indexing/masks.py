@@ -6,11 +6,12 @@ from typing import Any
 
 import torch
 
-from torch_tpu import _runtime
+from torch_tpu import _runtime, _storage
 from torch_tpu._checks import report_bad_index
 from torch_tpu._jax import jnp
 from torch_tpu.kernels.indexing._common import _count_fn, _dtype_name, _nonzero_fn
-from torch_tpu.kernels.registry import lower
+from torch_tpu.kernels._promote import dtype_name, write_outs
+from torch_tpu.kernels.registry import direct, lower
 
 
 # ---- masks ----
@@ -78,6 +79,29 @@ def nonzero_static(self: Any, size: int, fill_value: int = -1) -> Any:
     if size < 0:
         raise RuntimeError(f"nonzero_static: 'size' must be an non-negative integer, but got {size}")
     return _nonzero_fn(size)(self, fill_value)
+
+
+def _check_long_out(op: str, out: torch.Tensor) -> None:
+    if out.dtype != torch.int64:
+        raise RuntimeError(
+            f"{op}: Expected out tensor to have scalar type Long but got scalar type{dtype_name(out.dtype)}"
+            f" (out= tensor of dtype {out.dtype} on {out.device}; pass a torch.int64 tensor)")
+
+
+@direct("nonzero.out")
+def nonzero_out(self: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    """nonzero's out= form: CPU requires an int64 out tensor (the generated out= form would cast)."""
+    _check_long_out("nonzero", out)
+    write_outs("nonzero", (out,), (_storage.read(torch.ops.aten.nonzero(self)),))
+    return out
+
+
+@direct("nonzero_static.out")
+def nonzero_static_out(self: torch.Tensor, *, size: int, fill_value: int = -1, out: torch.Tensor) -> torch.Tensor:
+    _check_long_out("nonzero_static", out)
+    write_outs("nonzero_static", (out,), (_storage.read(torch.ops.aten.nonzero_static(self, size=size,
+                                                                                      fill_value=fill_value)),))
+    return out
 
 
 # ---- selection by mask ----

@@ -1,4 +1,5 @@
-"""Padding: constant_pad_nd and the reflection / replication pads (by gather) with their generated lowerings."""
+"""Padding: constant_pad_nd and the reflection / replication pads (by gather) with their generated lowerings,
+and the pads' backward kernels (the gather's transpose, a scatter-add, by jax.vjp)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from torch_tpu._jax import jnp, lax
+from torch_tpu._jax import jax, jnp, lax
 from torch_tpu.kernels.registry import lower
 
 
@@ -94,6 +95,23 @@ def _pad_lowering(name: str, kind: str, nd: int) -> None:
     lower(name)(pad)
 
 
+def _pad_backward_lowering(name: str, kind: str, nd: int) -> None:
+    def pad_backward(grad_output: Any, self: Any, padding: Sequence[int]) -> Any:
+        out, vjp = jax.vjp(lambda x: _pad_by_gather(x, padding, kind, nd), self)
+        if tuple(grad_output.shape) != tuple(out.shape):
+            raise RuntimeError(
+                f"{name}: grad_output has shape {list(grad_output.shape)} but the padded input has shape "
+                f"{list(out.shape)} (padding {list(padding)}, input {list(self.shape)})"
+            )
+        return vjp(grad_output.astype(out.dtype))[0]
+
+    pad_backward.__name__ = pad_backward.__qualname__ = name
+    pad_backward.__doc__ = f"aten::{name}: gradient of {kind} padding of the last {nd} dim(s) (overlaps summed)."
+    lower(name)(pad_backward)
+
+
 for _nd in (1, 2, 3):
     _pad_lowering(f"reflection_pad{_nd}d", "reflect", _nd)
     _pad_lowering(f"replication_pad{_nd}d", "edge", _nd)
+    _pad_backward_lowering(f"reflection_pad{_nd}d_backward", "reflect", _nd)
+    _pad_backward_lowering(f"replication_pad{_nd}d_backward", "edge", _nd)

@@ -1,4 +1,4 @@
-"""Slicing copies (narrow_copy, select_scatter, slice_scatter) and joining (cat)."""
+"""Slicing copies (narrow_copy, select_scatter, slice_scatter, unfold_backward) and joining (cat)."""
 
 from __future__ import annotations
 
@@ -64,6 +64,29 @@ def slice_scatter(self: Any, src: Any, dim: int = 0, start: int | None = None, e
 
 
 # ---- joining ----
+
+
+@lower("unfold_backward")
+def unfold_backward(grad_in: Any, input_sizes: Sequence[int], dim: int, size: int, step: int) -> Any:
+    """Gradient of Tensor.unfold(dim, size, step): each window's gradient added back at the elements it read
+    (overlapping windows sum)."""
+    input_sizes = tuple(int(s) for s in input_sizes)
+    if len(input_sizes) == 0:  # a 0-dim input unfolds to shape [size] (size <= 1)
+        return grad_in.reshape(())
+    dim = _wrap_dim(dim, len(input_sizes))
+    n = input_sizes[dim]
+    windows = (n - size) // step + 1 if n >= size else 0
+    expected = input_sizes[:dim] + (windows,) + input_sizes[dim + 1:] + (size,)
+    if tuple(grad_in.shape) != expected:
+        raise RuntimeError(
+            f"unfold_backward: grad_in has shape {list(grad_in.shape)}, expected {list(expected)} for input sizes "
+            f"{list(input_sizes)}, dimension {dim}, size {size}, step {step}"
+        )
+    g = jnp.moveaxis(grad_in, dim, -2)  # [..., windows, size]
+    idx = jnp.arange(windows)[:, None] * step + jnp.arange(size)[None, :]
+    moved = input_sizes[:dim] + input_sizes[dim + 1:] + (n,)
+    out = jnp.zeros(moved, grad_in.dtype).at[..., idx].add(g)
+    return jnp.moveaxis(out, -1, dim)
 
 
 @lower("cat")

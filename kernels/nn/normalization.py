@@ -29,11 +29,29 @@ def _stat_dtype(input: Any, *params: Any) -> Any:
     return jnp.float32 if mixed and _is_low(input.dtype) else input.dtype
 
 
+def _check_mixed(input: Any, *params: Any) -> None:
+    """ATen's rule for normalization parameters whose dtype differs from the input's (check_mixed_data_type):
+    then every parameter must be float32 and the input bfloat16 or float16, else CPU's error."""
+    if not any(p is not None and p.dtype != input.dtype for p in params):
+        return
+    for p in params:
+        if p is not None and p.dtype != jnp.float32:
+            raise RuntimeError(
+                f"mixed dtype (CPU): expect parameter to have scalar type of Float (input "
+                f"{_runtime.torch_dtype(input.dtype)}, parameter {_runtime.torch_dtype(p.dtype)}; cast the module "
+                "or the input so that they match)")
+    if not _is_low(input.dtype):
+        raise RuntimeError(
+            f"mixed dtype (CPU): all inputs must share same datatype (input {_runtime.torch_dtype(input.dtype)}, "
+            "parameters torch.float32; cast the module or the input so that they match)")
+
+
 def _batch_norm_math(
     input: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any, training: bool, momentum: float,
     eps: float,
 ) -> tuple[Any, Any, Any, Any, Any]:
     """(output, save_mean, save_invstd, new running_mean, new running_var)."""
+    _check_mixed(input, weight, bias, running_mean, running_var)
     x = _opmath(input)
     axes = (0,) + tuple(range(2, x.ndim))
     cs = _channel_shape(x)
@@ -198,6 +216,11 @@ def batch_norm_backward(
 
 @lower("native_layer_norm")
 def native_layer_norm(input: Any, normalized_shape: Sequence[int], weight: Any, bias: Any, eps: float) -> tuple[Any, Any, Any]:
+    if len(normalized_shape) == 0:
+        raise RuntimeError(
+            "Expected normalized_shape to be at least 1-dimensional, i.e., containing at least one element, but got "
+            f"normalized_shape = [] (layer_norm of an input of shape {list(input.shape)})")
+    _check_mixed(input, weight, bias)
     x = _opmath(input)
     axis = x.ndim - len(normalized_shape)
     if tuple(x.shape[axis:]) != tuple(normalized_shape) or axis < 0:
@@ -243,6 +266,7 @@ def native_group_norm(
     if C % group:
         raise RuntimeError(f"Expected number of channels in input to be divisible by num_groups, but got input of "
                            f"shape {list(input.shape)} and num_groups={group}")
+    _check_mixed(input, weight, bias)
     x = _opmath(input)
     xr = x.reshape(N, group, (C // group) * HxW)
     mean = jnp.mean(xr, axis=-1)
