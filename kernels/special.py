@@ -6,7 +6,7 @@ the shifted ones) and the same trigonometric forms for large n inside (-1, 1), o
 recurrence, computed in the result's dtype as the CPU loop does (so overflow to inf/nan happens where CPU's does).
 With a tensor n the recurrence is one vectorised loop up to the largest n, each element stopping at its own n.
 
-The Bessel and Airy functions are computed in float64 whatever the input's floating dtype, then cast: power
+The other Bessel functions and Airy's are computed in float64 whatever the input's floating dtype, then cast: power
 series where they converge without cancellation, asymptotic (Hankel) expansions for large arguments, and for K_nu
 in between the integral K_nu(x) = int_0^inf exp(-x cosh t) cosh(nu t) dt by the trapezoid rule (exponentially
 convergent). Values agree with CPU's Cephes approximations to float32 rounding; in float64 the error is about
@@ -114,7 +114,7 @@ def chebyshev_polynomial_w(x: Any, n: Any) -> Any:
     rec = _recurrence(x, n, x + x + 1, lambda j, p, q: (x + x) * q - p, closed=(n > 8) & (jnp.abs(x) <= 1))
     theta = jnp.arccos(x)
     edge = jnp.where(x > 0, nf + nf + 1, _signed(_odd(n), jnp.ones_like(x)))
-    trig = jnp.where(jnp.cos(theta / 2) != 1, jnp.sin((nf + 0.5) * theta) / jnp.sin(theta / 2), edge)
+    trig = jnp.where(jnp.sin(theta / 2) != 0, jnp.sin((nf + 0.5) * theta) / jnp.sin(theta / 2), edge)
     out = jnp.where((n > 8) & (jnp.abs(x) < 1), trig, rec)
     out = jnp.where(jnp.abs(x) == 1, edge, out)
     return jnp.where(n < 0, 0, out)
@@ -166,7 +166,7 @@ def shifted_chebyshev_polynomial_w(x: Any, n: Any) -> Any:
     rec = _recurrence(x, n, y + y + 1, lambda j, p, q: (y + y) * q - p, closed=(n > 4) & (jnp.abs(y) < 1))
     theta = jnp.arccos(y)
     odd_value = _signed(_odd(n), jnp.ones_like(x))
-    trig = jnp.where(jnp.cos(theta / 2) != 1, jnp.sin((nf + 0.5) * theta) / jnp.sin(theta / 2), odd_value)
+    trig = jnp.where(jnp.sin(theta / 2) != 0, jnp.sin((nf + 0.5) * theta) / jnp.sin(theta / 2), nf + nf + 1)
     out = jnp.where((n > 4) & (jnp.abs(y) < 1), trig, rec)
     out = jnp.where(x == 0, odd_value, out)
     out = jnp.where(x == 1, nf + nf + 1, out)
@@ -335,14 +335,15 @@ def bessel_y1(x: Any) -> Any:
     return _y(1.0, _j1_y1_series, x)
 
 
-@_bessel("special_modified_bessel_i0")
-def modified_bessel_i0(x: Any) -> Any:
-    return jax.scipy.special.i0(x)
+# I0 and I1: JAX's Cephes ports, in the input's dtype as CPU computes them (so float32 overflows where CPU's does).
+@lower("special_modified_bessel_i0", promote=INT_TO_FLOAT, promote_args=("self",))
+def modified_bessel_i0(self: Any) -> Any:
+    return jax.scipy.special.i0(self)
 
 
-@_bessel("special_modified_bessel_i1")
-def modified_bessel_i1(x: Any) -> Any:
-    return jax.scipy.special.i1(x)
+@lower("special_modified_bessel_i1", promote=INT_TO_FLOAT, promote_args=("self",))
+def modified_bessel_i1(self: Any) -> Any:
+    return jax.scipy.special.i1(self)
 
 
 _K_SERIES_TERMS = 30  # the K series below x = 2: terms under 1e-17 by k = 25
