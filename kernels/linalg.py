@@ -789,8 +789,14 @@ def linalg_lstsq(self: Any, b: Any, rcond: float | None = None, driver: str | No
     eps = float(jnp.finfo(real).eps)
     rcond = eps * max(m, n) if rcond is None else (eps if rcond < 0 else float(rcond))
     x, residuals, rank, sv = _lstsq_program(driver, rcond, vector)(self, b)
-    if m > n and driver in ("gelsd", "gelss") and not bool(jnp.all(rank == n)):
-        residuals = jnp.zeros((0,), real)  # CPU gives them only when every matrix has full rank
+    if m > n and driver in ("gelsd", "gelss"):
+        if isinstance(rank, jax.core.Tracer):
+            raise RuntimeError(
+                f"{op}: driver '{driver}' returns residuals only when every matrix has full rank, a shape that "
+                f"depends on the values of A {tuple(self.shape)}: it cannot be part of a traced graph "
+                "(torch.compile). Use driver='gels' or 'gelsy' there, or call it outside the compiled region.")
+        if not bool(jnp.all(rank == n)):
+            residuals = jnp.zeros((0,), real)  # CPU gives them only when every matrix has full rank
     return x, residuals, rank, sv
 
 
