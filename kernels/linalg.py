@@ -1015,15 +1015,15 @@ def linalg_ldl_solve(LD: Any, pivots: Any, B: Any, hermitian: bool = False) -> A
     _check_square(op, LD, "LD")
     _check_ldl_dtype(op, LD)
     if B.ndim < 2:
-        raise RuntimeError(f"{op}: The input tensor B must have at least 2 dimensions.")
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-max(B.ndim, 1)}, "
+                         f"{max(B.ndim, 1) - 1}], but got -2)")
     if LD.dtype != B.dtype:
-        raise RuntimeError(f"{op}: Expected LD and B to have the same dtype, but got LD with dtype {_dname(LD)} "
-                           f"and B with dtype {_dname(B)} instead")
-    if pivots.dtype != jnp.int32:
-        raise RuntimeError(f"{op}: Expected LD and pivots to have the same dtype int32")
+        raise RuntimeError(f"Expected b and A to have the same dtype, but found b of type {_dname(B)} and A of type "
+                           f"{_dname(LD)} instead.")
     if B.shape[-2] != LD.shape[-1]:
-        raise RuntimeError(f"{op}: Incompatible shapes of A and B for the equation AX = B "
-                           f"({LD.shape[-2]}x{LD.shape[-1]} and {B.shape[-2]}x{B.shape[-1]})")
+        raise RuntimeError(f"Incompatible matrix sizes for {op}: each A matrix is {LD.shape[-2]} by {LD.shape[-1]} "
+                           f"but each b matrix is {B.shape[-2]} by {B.shape[-1]}")
+    pivots = pivots.astype(jnp.int32)
     batch = tuple(jnp.broadcast_shapes(LD.shape[:-2], pivots.shape[:-1], B.shape[:-2]))
     ld = jnp.broadcast_to(LD, batch + LD.shape[-2:])
     piv = jnp.broadcast_to(pivots, batch + pivots.shape[-1:])

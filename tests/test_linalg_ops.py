@@ -281,3 +281,23 @@ def test_ldl_solve_against_cpu(mode) -> None:
 def test_ldl_factor_check_errors() -> None:
     with pytest.raises(RuntimeError, match="ldl_factor"):
         torch.linalg.ldl_factor(torch.zeros(3, 3, device="tpu"))
+
+
+def test_ldl_errors_match_cpu() -> None:
+    a = torch.randn(3, 3)
+    ld, piv = torch.linalg.ldl_factor(a + a.mT)
+    cases = [lambda d: torch.linalg.ldl_factor_ex(torch.randn(3, 4).to(d)),
+             lambda d: torch.linalg.ldl_factor_ex(torch.randn(3, 3).int().to(d)),
+             lambda d: torch.linalg.ldl_solve(ld.to(d), piv.to(d), torch.randn(4, 2).to(d)),
+             lambda d: torch.linalg.ldl_solve(ld.to(d), piv.to(d), torch.randn(3, 2, dtype=torch.float64).to(d)),
+             lambda d: torch.linalg.ldl_solve(ld.to(d), piv.to(d), torch.randn(3).to(d))]
+    for case in cases:
+        with pytest.raises((RuntimeError, IndexError)) as cpu:
+            case("cpu")
+        with pytest.raises(type(cpu.value)) as tpu:
+            case("tpu")
+        assert str(tpu.value) == str(cpu.value)
+    # int64 pivots are accepted, as on CPU
+    b = torch.randn(3, 2)
+    torch.testing.assert_close(torch.linalg.ldl_solve(ld.to("tpu"), piv.long().to("tpu"), b.to("tpu")).cpu(),
+                               torch.linalg.ldl_solve(ld, piv.long(), b))
