@@ -7,6 +7,7 @@ import functools
 from typing import Any
 
 from torch_tpu import _runtime
+from torch_tpu._checks import report_bad_index
 from torch_tpu._jax import jax, jnp, lax
 from torch_tpu.kernels._promote import dtype_name
 from torch_tpu.kernels.registry import DEFAULT, lower
@@ -848,19 +849,23 @@ def _eig(op: str, a: Any, vectors: bool) -> tuple[Any, Any]:
     complex_dtype = jnp.result_type(a.dtype, jnp.complex64)
     if a.size == 0:
         return jnp.zeros(a.shape[:-1], complex_dtype), jnp.zeros(a.shape, complex_dtype)
+    # CPU refuses non-finite input (its check reads the values): the device-side check raises its error at the next
+    # synchronization point instead of returning NaNs (kernels/registry.py `checks`).
+    report_bad_index(op, jnp.where(jnp.all(jnp.isfinite(a)), 0, 1), 1, error=RuntimeError,
+                     message=f"torch.{op}: input tensor should not contain infs or NaNs.")
     # LAPACK geev, as CPU PyTorch: eigenvectors of unit 2-norm with their largest component real.
     out = lax.linalg.eig(a, compute_left_eigenvectors=False, compute_right_eigenvectors=vectors)
     return out[0].astype(complex_dtype), (out[1].astype(complex_dtype) if vectors else None)
 
 
-@lower("linalg_eig")
+@lower("linalg_eig", checks=True)
 def linalg_eig(self: Any) -> tuple[Any, Any]:
     """Eigenvalues and right eigenvectors, complex (XLA:CPU's LAPACK geev, the routine CPU PyTorch calls); not
     available on TPU (see _check_eig_platform)."""
     return _eig("linalg.eig", self, True)
 
 
-@lower("_linalg_eigvals", "linalg_eigvals")
+@lower("_linalg_eigvals", "linalg_eigvals", checks=True)
 def linalg_eigvals(self: Any) -> Any:
     return _eig("linalg.eigvals", self, False)[0]
 

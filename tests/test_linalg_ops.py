@@ -301,3 +301,21 @@ def test_ldl_errors_match_cpu() -> None:
     b = torch.randn(3, 2)
     torch.testing.assert_close(torch.linalg.ldl_solve(ld.to("tpu"), piv.long().to("tpu"), b.to("tpu")).cpu(),
                                torch.linalg.ldl_solve(ld, piv.long(), b))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_eig_rejects_non_finite_input(mode) -> None:
+    """CPU's eig raises for inf/NaN input (its eigvals crashes in MKL): tpu raises CPU's error at the next
+    synchronization point, from a flag computed on the device."""
+    a = torch.randn(4, 4)
+    a[1, 2] = float("nan")
+    with pytest.raises(RuntimeError) as cpu:
+        torch.linalg.eig(a)
+    for fn, name in ((lambda x: torch.linalg.eig(x)[0], "linalg.eig"), (torch.linalg.eigvals, "linalg.eigvals")):
+        with torch.tpu.set_eager_mode(mode):
+            with pytest.raises(RuntimeError, match=f"torch.{name}: input tensor should not contain infs or NaNs"):
+                fn(a.to("tpu")).cpu()
+    assert str(cpu.value) == "torch.linalg.eig: input tensor should not contain infs or NaNs."
+    finite = torch.randn(4, 4)
+    torch.testing.assert_close(torch.linalg.eigvals(finite.to("tpu")).cpu(), torch.linalg.eigvals(finite),
+                               rtol=1e-4, atol=1e-4)
