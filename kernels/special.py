@@ -26,8 +26,10 @@ from torch_tpu.kernels.registry import INT_TO_FLOAT, lower
 
 
 def _int_n(n: Any) -> Any:
-    """n truncated to an integer as C++'s static_cast<int64_t>; NaN counts as negative (x86 gives INT64_MIN)."""
-    return jnp.where(jnp.isnan(n), -1, jnp.trunc(jnp.where(jnp.isnan(n), 0, n))).astype(jnp.int64)
+    """n truncated to an integer as C++'s static_cast<int64_t> on x86: NaN, +-inf and |n| >= 2^63 give INT64_MIN,
+    a negative n (result 0). XLA would saturate +inf to INT64_MAX: a loop without end."""
+    bad = jnp.isnan(n) | (jnp.abs(n) >= 2.0 ** 63)
+    return jnp.where(bad, -1, jnp.trunc(jnp.where(bad, 0, n)).astype(jnp.int64))
 
 
 def _recurrence(x: Any, n: Any, q0: Any, step: Callable[[Any, Any, Any], Any], closed: Any = False) -> Any:

@@ -89,6 +89,16 @@ def test_polynomials_against_cpu(name, dtype, mode) -> None:
     torch.testing.assert_close(scalar_x, fn(0.25, n), equal_nan=True, **tol)
 
 
+def test_polynomial_non_finite_n_terminates() -> None:
+    """CPU casts n to int64 (x86: INT64_MIN for NaN, inf, |n| >= 2^63) and returns 0; a saturating cast to
+    INT64_MAX would loop forever."""
+    x = torch.tensor([0.5, 2.0, -3.0, 0.5])
+    n = torch.tensor([float("inf"), float("inf"), -float("inf"), 1e19])
+    for name in POLYNOMIALS:
+        fn = getattr(torch.special, name)
+        torch.testing.assert_close(fn(x.to("tpu"), n.to("tpu")).cpu(), fn(x, n))
+
+
 def test_polynomial_int_and_out_forms() -> None:
     x = torch.arange(-4, 5)
     n = torch.arange(0, 9)
