@@ -6,12 +6,14 @@ the shifted ones) and the same trigonometric forms for large n inside (-1, 1), o
 recurrence, computed in the result's dtype as the CPU loop does (so overflow to inf/nan happens where CPU's does).
 With a tensor n the recurrence is one vectorised loop up to the largest n, each element stopping at its own n.
 
-The other Bessel functions and Airy's are computed in float64 whatever the input's floating dtype, then cast: power
-series where they converge without cancellation, asymptotic (Hankel) expansions for large arguments, and for K_nu
-in between the integral K_nu(x) = int_0^inf exp(-x cosh t) cosh(nu t) dt by the trapezoid rule (exponentially
-convergent). Values agree with CPU's Cephes approximations to float32 rounding; in float64 the error is about
-1e-13 relative (1e-9 near the series/asymptotic switch of J/Y), not Cephes' 1e-16. On TPU float64 is emulated:
-these functions are correct there but slower than float32 arithmetic.
+I0 and I1 are JAX's, in the input's dtype. The other Bessel functions and Airy's are computed in float64 whatever
+the input's floating dtype, then cast: power series where they converge without too much cancellation, asymptotic
+(Hankel) expansions for large arguments, and for K_nu in between the integral
+K_nu(x) = int_0^inf exp(-x cosh t) cosh(nu t) dt by the trapezoid rule (exponentially convergent). Measured
+against scipy in float64: J0/J1/Y0/Y1 within 3e-12 absolute (CPU's: 9e-7, its phase x - pi/4 is rounded for
+large x), K and scaled K within 5e-15 relative of CPU, Airy within 3e-11 absolute (CPU's: 3e-6 on (-8, -2)). In
+float32 they agree with CPU to float32 rounding. On TPU float64 is emulated: correct there but slower than
+float32 arithmetic.
 """
 
 from __future__ import annotations
