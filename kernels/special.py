@@ -353,8 +353,10 @@ def modified_bessel_i1(self: Any) -> Any:
 _K_SERIES_TERMS = 30  # the K series below x = 2: terms under 1e-17 by k = 25
 _K_SERIES_SWITCH = 2.0
 _K_ASYMPTOTIC_SWITCH = 50.0
-_K_STEP = 1 / 32  # trapezoid step in t; past t = 7 the integrand is below 1e-200 of its value at 0 for x >= 1
-_K_NODES = 224
+# Trapezoid step in t (as accurate as 1/32 against scipy: 3e-15 relative; 1/8 gives 1e-12); past t = 7 the
+# integrand is below 1e-200 of its value at 0 for x >= 1.
+_K_STEP = 1 / 12
+_K_NODES = 84
 
 
 def _scaled_k_integral(nu: float, x: Any) -> Any:
