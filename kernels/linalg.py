@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from torch_tpu import _executor, _runtime, _storage
+from torch_tpu._checks import report_bad_index
 from torch_tpu._jax import jax, jnp, lax
 from torch_tpu.kernels._promote import dtype_name, wrap_arrays, write_outs
 from torch_tpu.kernels.registry import DEFAULT, direct, lower
@@ -803,3 +804,293 @@ def vdot(self: Any, other: Any) -> Any:
                            "to have the same number of elements, but got "
                            f"{self.shape[0]} and {other.shape[0]} elements respectively")
     return jnp.sum(_opmath(jnp.conj(self)) * _opmath(other)).astype(self.dtype)
+
+
+# ---- least squares and the non-symmetric eigenproblem ----
+
+_LSTSQ_DRIVERS = ("gels", "gelsy", "gelsd", "gelss")
+
+
+@lower("linalg_lstsq", jit=False)
+def linalg_lstsq(self: Any, b: Any, rcond: float | None = None, driver: str | None = None
+                 ) -> tuple[Any, Any, Any, Any]:
+    """torch.linalg.lstsq with CPU's drivers and outputs, by one SVD for every driver: the minimum-norm solution
+    over the singular values above rcond * s_max (gels: all of them, as it assumes full rank; CPU's gelsy finds
+    the rank by pivoted QR, which agrees except for singular values within rounding of the threshold).
+    residuals (squared column norms of A X - B) when m > n, the driver is not gelsy and every matrix has full
+    rank (gels: always); rank for gelsy/gelsd/gelss; singular values for gelsd/gelss; else empty, as on CPU.
+    Run eagerly (jit=False) because the residuals' shape of gelsd/gelss depends on the ranks: the numerical
+    work is one cached jitted program, and only gelsd/gelss with m > n read the ranks on the host."""
+    op = "torch.linalg.lstsq"
+    driver = "gelsy" if driver is None else driver
+    if driver not in _LSTSQ_DRIVERS:
+        raise RuntimeError(f"{op}: parameter `driver` should be one of (gels, gelsy, gelsd, gelss)")
+    if self.ndim < 2:
+        raise RuntimeError(f"{op}: input must have at least 2 dimensions.")
+    if b.ndim < 1:
+        raise RuntimeError(f"{op}: other must have at least 1 dimension.")
+    if self.dtype != b.dtype:
+        raise RuntimeError(f"{op}: Expected input and other to have the same dtype, but got input's dtype "
+                           f"{_dname(self)} and other's dtype {_dname(b)}")
+    if not jnp.issubdtype(self.dtype, jnp.inexact) or self.dtype in (jnp.bfloat16, jnp.float16):
+        raise RuntimeError("This function doesn't handle types other than float and double")
+    if not (self.ndim >= b.ndim and self.ndim - b.ndim <= 1):
+        raise RuntimeError(f"{op}: input.dim() must be greater or equal to other.dim() and "
+                           "(input.dim() - other.dim()) <= 1")
+    vector = b.ndim == self.ndim - 1
+    if (b.shape[-1] if vector else b.shape[-2]) != self.shape[-2]:
+        raise RuntimeError(f"{op}: input.size(-2) should match other.size(-2)")
+    m, n = self.shape[-2:]
+    real = jnp.real(jnp.zeros((), self.dtype)).dtype
+    eps = float(jnp.finfo(real).eps)
+    rcond = eps * max(m, n) if rcond is None else (eps if rcond < 0 else float(rcond))
+    x, residuals, rank, sv = _lstsq_program(driver, rcond, vector)(self, b)
+    if m > n and driver in ("gelsd", "gelss"):
+        if isinstance(rank, jax.core.Tracer):
+            raise RuntimeError(
+                f"{op}: driver '{driver}' returns residuals only when every matrix has full rank, a shape that "
+                f"depends on the values of A {tuple(self.shape)}: it cannot be part of a traced graph "
+                "(torch.compile). Use driver='gels' or 'gelsy' there, or call it outside the compiled region.")
+        if not bool(jnp.all(rank == n)):
+            residuals = jnp.zeros((0,), real)  # CPU gives them only when every matrix has full rank
+    return x, residuals, rank, sv
+
+
+@functools.lru_cache(maxsize=None)
+def _lstsq_program(driver: str, rcond: float, vector: bool) -> Any:
+    def run(a: Any, b: Any) -> tuple[Any, Any, Any, Any]:
+        rhs = b[..., None] if vector else b
+        m, n = a.shape[-2:]
+        k = rhs.shape[-1]
+        batch = tuple(jnp.broadcast_shapes(a.shape[:-2], rhs.shape[:-2]))
+        rhs = jnp.broadcast_to(rhs, batch + (m, k))
+        real = jnp.real(a).dtype
+        own = a.shape[:-2]  # rank and singular values keep A's own batch shape, as on CPU
+        if a.size == 0 or k == 0:
+            s = jnp.zeros(own + (min(m, n),), real)
+            x = jnp.zeros(batch + (n, k), a.dtype)
+            rank = jnp.zeros(own, jnp.int64)
+        else:
+            u, s, vh = jnp.linalg.svd(a, full_matrices=False)
+            keep = (s > rcond * s[..., :1]) if driver != "gels" else jnp.ones(s.shape, bool)
+            inv = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0).astype(a.dtype)
+            x = _dot(_mH(vh), inv[..., :, None] * _dot(_mH(u), rhs))
+            rank = jnp.sum(keep, axis=-1).astype(jnp.int64)
+        if m > n and driver != "gelsy":
+            r = _dot(a, x) - rhs
+            residuals = jnp.sum(jnp.real(r * jnp.conj(r)), axis=-2)
+        else:
+            residuals = jnp.zeros((0,), real)
+        rank = rank if driver != "gels" else jnp.zeros((0,), jnp.int64)
+        sv = s if driver in ("gelsd", "gelss") else jnp.zeros((0,), real)
+        return (x[..., 0] if vector else x), residuals, rank, sv
+
+    return jax.jit(run)
+
+
+def _check_eig_platform(op: str, a: Any) -> None:
+    if _runtime.platform() == "tpu":
+        raise NotImplementedError(
+            f"torch_tpu: {op} (a general, non-symmetric eigendecomposition) is not available on TPU: XLA's TPU "
+            f"backend has no such solver (input {tuple(a.shape)} {_dname(a)}). Ways out: compute it on the CPU, "
+            f"e.g. torch.linalg.eig(A.cpu()), and move the result back with .to('tpu'); or, if A is symmetric "
+            "(Hermitian), use torch.linalg.eigh / eigvalsh, which run on TPU.")
+
+
+def _eig(op: str, a: Any, vectors: bool) -> tuple[Any, Any]:
+    _check_square(op, a, "A")
+    _check_float(op, a, "A")
+    _check_eig_platform(op, a)
+    complex_dtype = jnp.result_type(a.dtype, jnp.complex64)
+    if a.size == 0:
+        return jnp.zeros(a.shape[:-1], complex_dtype), jnp.zeros(a.shape, complex_dtype)
+    # CPU refuses non-finite input (its check reads the values): the device-side check raises its error at the next
+    # synchronization point instead of returning NaNs (kernels/registry.py `checks`).
+    report_bad_index(op, jnp.where(jnp.all(jnp.isfinite(a)), 0, 1), 1, error=RuntimeError,
+                     message=f"torch.{op}: input tensor should not contain infs or NaNs.")
+    # LAPACK geev, as CPU PyTorch: eigenvectors of unit 2-norm with their largest component real.
+    out = lax.linalg.eig(a, compute_left_eigenvectors=False, compute_right_eigenvectors=vectors)
+    return out[0].astype(complex_dtype), (out[1].astype(complex_dtype) if vectors else None)
+
+
+@lower("linalg_eig", checks=True)
+def linalg_eig(self: Any) -> tuple[Any, Any]:
+    """Eigenvalues and right eigenvectors, complex (XLA:CPU's LAPACK geev, the routine CPU PyTorch calls); not
+    available on TPU (see _check_eig_platform)."""
+    return _eig("linalg.eig", self, True)
+
+
+@lower("_linalg_eigvals", "linalg_eigvals", checks=True)
+def linalg_eigvals(self: Any) -> Any:
+    return _eig("linalg.eigvals", self, False)[0]
+
+
+# ---- LDL^T (Bunch-Kaufman), in LAPACK sytrf's format ----
+
+_BK_ALPHA = (1 + 17 ** 0.5) / 8
+
+
+def _ldl_factor_one(a: Any) -> tuple[Any, Any, Any]:
+    """LAPACK sytf2 (lower) on one real symmetric matrix: Bunch-Kaufman diagonal pivoting with 1x1 and 2x2
+    blocks. Returns (the factor in the lower triangle, 1-based int32 pivots: k for a 1x1 block, -p twice for a
+    2x2, info: the first zero pivot block)."""
+    n = a.shape[-1]
+    rows = jnp.arange(n)
+    a = jnp.tril(a)
+    a = a + jnp.tril(a, -1).T  # work on the full symmetric matrix: the swaps and updates stay simple
+
+    def swap(m: Any, k: Any, i: Any, j: Any) -> Any:
+        """Symmetric interchange of rows and columns i and j of the trailing block m[k:, k:] only: the columns of
+        L before k keep their rows (LAPACK's L is a product of interchanges and unit factors)."""
+        perm = jnp.where(rows == i, j, jnp.where(rows == j, i, rows))
+        trailing = (rows[:, None] >= k) & (rows[None, :] >= k)
+        return jnp.where(trailing, m[perm][:, perm], m)
+
+    def cond(state: tuple) -> Any:
+        return state[0] < n
+
+    def body(state: tuple) -> tuple:
+        k, m, piv, info = state
+        col = jnp.where(rows > k, jnp.abs(m[:, k]), -1.0)
+        imax = jnp.argmax(col)
+        colmax = jnp.where(k < n - 1, jnp.max(col), 0.0)
+        absakk = jnp.abs(m[k, k])
+        zero = (jnp.maximum(absakk, colmax) == 0) | jnp.isnan(absakk)
+        row = jnp.where((rows >= k) & (rows != imax), jnp.abs(m[imax, :]), -1.0)
+        rowmax = jnp.max(row)
+        one_no_swap = zero | (absakk >= _BK_ALPHA * colmax) | (absakk >= _BK_ALPHA * colmax * (colmax / rowmax))
+        one_swap = ~one_no_swap & (jnp.abs(m[imax, imax]) >= _BK_ALPHA * rowmax)
+        two = ~one_no_swap & ~one_swap
+        kstep = jnp.where(two, 2, 1)
+        kp = jnp.where(one_no_swap, k, imax)
+        kk = k + kstep - 1
+        m = swap(m, k, kk, kp)
+        # 1x1 block: L(:, k) = A(:, k) / d, trailing A -= x x^T / d.
+        d = jnp.where(zero, 1.0, m[k, k])
+        x1 = jnp.where(rows > k, m[:, k], 0.0)
+        m1 = m - jnp.outer(x1, x1) / d
+        m1 = m1.at[:, k].set(jnp.where(rows > k, x1 / d, m[:, k]))
+        m1 = jnp.where(zero, m, m1)
+        # 2x2 block at (k, k+1): [W_k W_k+1] = A(:, k:k+2) D^-1, trailing A -= W D W^T.
+        kn = jnp.minimum(k + 1, n - 1)
+        d21 = m[kn, k]
+        d11 = m[kn, kn] / d21
+        d22 = m[k, k] / d21
+        t = 1 / (d11 * d22 - 1)
+        d21 = t / d21
+        below = rows > kn
+        ak, ak1 = jnp.where(below, m[:, k], 0.0), jnp.where(below, m[:, kn], 0.0)
+        wk = d21 * (d11 * ak - ak1)
+        wk1 = d21 * (d22 * ak1 - ak)
+        m2 = m - jnp.outer(ak, wk) - jnp.outer(ak1, wk1)
+        m2 = m2.at[:, k].set(jnp.where(below, wk, m[:, k])).at[:, kn].set(jnp.where(below, wk1, m[:, kn]))
+        m = jnp.where(two, m2, m1)
+        p1 = (kp + 1).astype(jnp.int32)
+        piv = jnp.where(two, piv.at[k].set(-p1).at[kn].set(-p1), piv.at[k].set(p1))
+        info = jnp.where((info == 0) & zero, (k + 1).astype(jnp.int32), info)
+        return k + kstep, m, piv, info
+
+    init = (jnp.asarray(0), a, jnp.zeros((n,), jnp.int32), jnp.asarray(0, jnp.int32))
+    _, m, piv, info = lax.while_loop(cond, body, init)
+    return jnp.tril(m), piv, info
+
+
+def _ldl_solve_one(ld: Any, piv: Any, b: Any) -> Any:
+    """LAPACK sytrs (lower) on one factorization: L D L^T X = B with the interchanges, then X."""
+    n = ld.shape[-1]
+    rows = jnp.arange(n)
+
+    def swap_rows(x: Any, i: Any, j: Any) -> Any:
+        perm = jnp.where(rows == i, j, jnp.where(rows == j, i, rows))
+        return x[perm]
+
+    def forward(state: tuple) -> tuple:
+        k, x = state
+        two = piv[k] < 0
+        kn = jnp.minimum(k + 1, n - 1)
+        # 1x1: interchange k with piv-1, eliminate below, divide by d.
+        x1 = swap_rows(x, k, piv[k] - 1)
+        x1 = x1 - jnp.where(rows > k, ld[:, k], 0)[:, None] * x1[k][None, :]
+        x1 = x1.at[k].set(x1[k] / ld[k, k])
+        # 2x2: interchange k+1 with -piv-1, eliminate below both, solve the 2x2 block.
+        x2 = swap_rows(x, kn, -piv[k] - 1)
+        below = rows > kn
+        x2 = (x2 - jnp.where(below, ld[:, k], 0)[:, None] * x2[k][None, :]
+              - jnp.where(below, ld[:, kn], 0)[:, None] * x2[kn][None, :])
+        akm1k = ld[kn, k]
+        akm1 = ld[k, k] / akm1k
+        ak = ld[kn, kn] / akm1k
+        denom = akm1 * ak - 1
+        bkm1, bk = x2[k] / akm1k, x2[kn] / akm1k
+        x2 = x2.at[k].set((ak * bkm1 - bk) / denom).at[kn].set((akm1 * bk - bkm1) / denom)
+        return k + jnp.where(two, 2, 1), jnp.where(two, x2, x1)
+
+    def backward(state: tuple) -> tuple:
+        k, x = state  # k: the last row of the current block
+        two = piv[k] < 0
+        kp = jnp.maximum(k - 1, 0)
+        below = rows > k
+        x1 = x.at[k].add(-(jnp.where(below, ld[:, k], 0) @ x))
+        x1 = swap_rows(x1, k, piv[k] - 1)
+        x2 = x.at[k].add(-(jnp.where(below, ld[:, k], 0) @ x)).at[kp].add(-(jnp.where(below, ld[:, kp], 0) @ x))
+        x2 = swap_rows(x2, k, -piv[k] - 1)
+        return k - jnp.where(two, 2, 1), jnp.where(two, x2, x1)
+
+    _, x = lax.while_loop(lambda s: s[0] < n, forward, (jnp.asarray(0), b))
+    _, x = lax.while_loop(lambda s: s[0] >= 0, backward, (jnp.asarray(n - 1), x))
+    return x
+
+
+def _check_ldl_dtype(op: str, a: Any) -> None:
+    _check_float(op, a)
+    if jnp.iscomplexobj(a):
+        raise NotImplementedError(f"torch_tpu: {op} supports real floating inputs on tpu, got {_dname(a)} of shape "
+                                  f"{tuple(a.shape)}. Way out: run it on the CPU (A.cpu()) for complex matrices.")
+
+
+def _batched(fn: Any, *arrays: Any) -> Any:
+    """fn on each matrix of the (equal) leading batch dimensions."""
+    batch = arrays[0].shape[:-2] if arrays[0].ndim > 2 else ()
+    flat = [x.reshape((-1,) + x.shape[len(batch):]) for x in arrays]
+    outs = jax.vmap(fn)(*flat)
+    return jax.tree_util.tree_map(lambda o: o.reshape(batch + o.shape[1:]), outs)
+
+
+@lower("linalg_ldl_factor_ex")
+def linalg_ldl_factor_ex(self: Any, hermitian: bool = False, check_errors: bool = False) -> tuple[Any, Any, Any]:
+    """torch.linalg.ldl_factor_ex as CPU computes it with LAPACK sytrf (lower triangle, Bunch-Kaufman pivoting):
+    the same compact LD (upper triangle zero), pivots and info. For real input `hermitian` changes nothing."""
+    op = "torch.linalg.ldl_factor_ex"
+    _check_square(op, self)
+    _check_ldl_dtype(op, self)
+    n = self.shape[-1]
+    if self.size == 0:
+        return self, jnp.zeros(self.shape[:-1], jnp.int32), jnp.zeros(self.shape[:-2], jnp.int32)
+    return _batched(_ldl_factor_one, self)
+
+
+@lower("linalg_ldl_solve")
+def linalg_ldl_solve(LD: Any, pivots: Any, B: Any, hermitian: bool = False) -> Any:
+    op = "torch.linalg.ldl_solve"
+    _check_square(op, LD, "LD")
+    _check_ldl_dtype(op, LD)
+    if B.ndim < 2:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-max(B.ndim, 1)}, "
+                         f"{max(B.ndim, 1) - 1}], but got -2)")
+    if LD.dtype != B.dtype:
+        raise RuntimeError(f"Expected b and A to have the same dtype, but found b of type {_dname(B)} and A of type "
+                           f"{_dname(LD)} instead.")
+    if B.shape[-2] != LD.shape[-1]:
+        raise RuntimeError(f"Incompatible matrix sizes for {op}: each A matrix is {LD.shape[-2]} by {LD.shape[-1]} "
+                           f"but each b matrix is {B.shape[-2]} by {B.shape[-1]}")
+    pivots = pivots.astype(jnp.int32)
+    batch = tuple(jnp.broadcast_shapes(LD.shape[:-2], pivots.shape[:-1], B.shape[:-2]))
+    ld = jnp.broadcast_to(LD, batch + LD.shape[-2:])
+    piv = jnp.broadcast_to(pivots, batch + pivots.shape[-1:])
+    b = jnp.broadcast_to(B, batch + B.shape[-2:])
+    if b.size == 0:
+        return b
+    if not batch:
+        return _ldl_solve_one(ld, piv, b)
+    flat = [x.reshape((-1,) + x.shape[len(batch):]) for x in (ld, piv, b)]
+    return jax.vmap(_ldl_solve_one)(*flat).reshape(b.shape)
