@@ -24,8 +24,6 @@ from torch_tpu import _executor, _storage
 from torch_tpu._jax import jnp
 from torch_tpu.kernels.registry import direct
 
-_HALF = (jnp.bfloat16, jnp.float16)
-
 
 def _adam_update(adamw: bool, amsgrad: bool, maximize: bool, decay: bool, params: list, grads: list,
                  exp_avgs: list, exp_avg_sqs: list, max_exp_avg_sqs: list, steps: list, lr: Any, beta1: Any,
@@ -37,7 +35,7 @@ def _adam_update(adamw: bool, amsgrad: bool, maximize: bool, decay: bool, params
     new_p, new_g, new_m, new_v, new_vmax = [], [], [], [], []
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         dt = p.dtype
-        op = jnp.float32 if dt in _HALF else dt  # CPU's opmath type
+        op = jnp.float32 if dt in (jnp.bfloat16, jnp.float16) else dt  # CPU's opmath type
         step = jnp.asarray(steps[i], jnp.float64).reshape(())
         bias_correction1 = 1 - beta1 ** step
         bias_correction2_sqrt = jnp.sqrt(1 - beta2 ** step)
