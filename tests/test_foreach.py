@@ -116,6 +116,40 @@ def test_scalars_are_dynamic_and_results_exact(counts) -> None:
     assert len(k._progs) == 1, "a new scalar value must not make a new program"
 
 
+def test_in_place_donates_only_arrays_nothing_else_reads(counts) -> None:
+    """An in-place call gives a target's buffer to the program only when its storage holds the only reference: a
+    clone sharing the array, a Python reference to it, or the same array read as another argument keep theirs; a
+    view of a donated storage reads the new value."""
+    from torch_tpu import _C
+
+    cpu = [torch.randn(64, 32), torch.randn(100), torch.randn(7)]
+    xs = _to(cpu, "tpu")
+    view = xs[0][1]
+    clone = xs[1].clone()
+    assert _C._array(clone) is _C._array(xs[1])  # the clone shares the immutable array
+    held = _C._array(xs[2])
+    old = [c.clone() for c in cpu]
+    before = _foreach.donated_inputs
+    torch._foreach_mul_(xs, 2.0)
+    torch._foreach_mul_(cpu, 2.0)
+    assert _foreach.donated_inputs - before == 1  # xs[0] alone
+    torch.testing.assert_close(view.cpu(), cpu[0][1])
+    torch.testing.assert_close(clone.cpu(), old[1])
+    torch.testing.assert_close(torch.from_numpy(__import__("numpy").asarray(held)), old[2])
+    before = _foreach.donated_inputs
+    torch._foreach_add_(xs, 1.5)  # every target now owns a fresh array
+    torch._foreach_add_(cpu, 1.5)
+    assert _foreach.donated_inputs - before == 3
+    before = _foreach.donated_inputs
+    torch._foreach_addcmul_(xs, xs, xs, 0.5)  # each target is read by the other arguments too
+    torch._foreach_addcmul_(cpu, cpu, cpu, 0.5)
+    assert _foreach.donated_inputs == before
+    for t, c in zip(xs, cpu):
+        torch.testing.assert_close(t.cpu(), c)
+    torch.testing.assert_close(clone.cpu(), old[1])
+    assert counts["loop"] == 0 and counts["program"] == 3
+
+
 def test_cross_aliased_in_place_runs_the_loop(counts) -> None:
     """a += b; b += a (new a): computing both from the old values would be wrong, so the loop runs."""
     a_c, b_c = torch.ones(3), torch.full((3,), 2.0)

@@ -102,12 +102,88 @@ def test_optimizers_match_cpu(name: str, foreach: bool) -> None:
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
 
 
-def test_fused_optimizer_raises_clearly() -> None:
+FUSED = {
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+    "adam_amsgrad_decay": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True, weight_decay=0.1, fused=True),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
+    "adamw_amsgrad_maximize": lambda p: torch.optim.AdamW(p, lr=1e-2, amsgrad=True, maximize=True, fused=True),
+    "adamw_tensor_lr": lambda p: torch.optim.AdamW(p, lr=torch.tensor(1e-2), weight_decay=0.1, fused=True),
+}
+
+
+@pytest.mark.parametrize("mode", ["DEFER_NEVER", "DEFER_AND_FUSE"])
+@pytest.mark.parametrize("name", list(FUSED))
+def test_fused_adam_matches_cpu_fused(name: str, mode: str) -> None:
+    """`fused=True` runs aten::_fused_adam(w)_ as one program per parameter group; parameters and state follow
+    CPU's fused kernel step by step (with a learning-rate schedule: new rates, same program)."""
+    from torch_tpu import _metrics
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    x, y = torch.randn(10, 8), torch.randint(0, 3, (10,))
+    results, states = {}, {}
+    for device in ("cpu", "tpu"):
+        m = copy.deepcopy(model).to(device)
+        opt = FUSED[name](m.parameters())
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        check = device == "tpu" and mode == "DEFER_NEVER"
+        with torch.tpu.set_eager_mode(mode if device == "tpu" else "DEFER_NEVER"):
+            for i in range(5):
+                opt.zero_grad()
+                F.cross_entropy(m(x.to(device)), y.to(device)).backward()
+                if check and i == 3:
+                    compiles = _metrics.metrics().compiles
+                opt.step()
+                if check and i == 3:
+                    assert _metrics.metrics().compiles == compiles, "a new learning rate must not recompile"
+                sched.step()
+        results[device] = [p.detach().cpu() for p in m.parameters()]
+        states[device] = [{k: v.cpu() for k, v in opt.state[p].items()} for p in m.parameters()]
+    for p, q in zip(results["cpu"], results["tpu"]):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    for a, b in zip(states["cpu"], states["tpu"]):
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("adamw", [False, True], ids=["adam", "adamw"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_adam_grad_scale_and_found_inf_like_cpu(adamw: bool, dtype: torch.dtype) -> None:
+    """Called directly, as GradScaler's optimizer step does: gradients are unscaled (and written back unscaled),
+    and found_inf == 1 leaves everything as it was."""
+    op = torch._fused_adamw_ if adamw else torch._fused_adam_
+    torch.manual_seed(0)
+    shapes = [(4, 3), (5,), (2, 2, 2)]
+    base = {k: [torch.randn(s).to(dtype) for s in shapes] for k in ("p", "g", "m")}
+    base["v"] = [torch.rand(s).to(dtype) for s in shapes]
+    base["vmax"] = [v + 0.5 for v in base["v"]]
+    base["steps"] = [torch.tensor(float(i + 3)) for i in range(len(shapes))]
+    for inf in (0.0, 1.0):
+        got = {}
+        for device in ("cpu", "tpu"):
+            t = {k: [x.clone().to(device) for x in v] for k, v in base.items()}
+            op(t["p"], t["g"], t["m"], t["v"], t["vmax"], t["steps"], lr=0.01, beta1=0.9, beta2=0.99,
+               weight_decay=0.05, eps=1e-8, amsgrad=True, maximize=False,
+               grad_scale=torch.tensor(4.0, device=device), found_inf=torch.tensor(inf, device=device))
+            got[device] = {k: [x.cpu() for x in v] for k, v in t.items()}
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        for k in base:
+            for a, b in zip(got["cpu"][k], got["tpu"][k]):
+                assert b.dtype == a.dtype
+                torch.testing.assert_close(b, a, **tol, msg=f"{k} found_inf={inf}")
+        if inf == 1.0:
+            for k in base:
+                for a, b in zip(base[k], got["tpu"][k]):
+                    assert torch.equal(a, b), k
+
+
+def test_fused_adam_refuses_mixed_devices() -> None:
     p = nn.Parameter(torch.randn(4, device="tpu"))
-    opt = torch.optim.Adam([p], lr=0.1, fused=True)
-    p.grad = torch.ones(4, device="tpu")
-    with pytest.raises(NotImplementedError, match="_fused_adam"):
-        opt.step()
+    with pytest.raises(RuntimeError, match="_fused_adam_.*one tpu device.*grads"):
+        torch._fused_adam_([p.detach()], [torch.ones(4)], [torch.zeros(4, device="tpu")],
+                           [torch.zeros(4, device="tpu")], [], [torch.ones((), device="tpu")], lr=0.1, beta1=0.9,
+                           beta2=0.99, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
 
 
 def test_checkpoint_resume_matches_uninterrupted(tmp_path) -> None:

@@ -12,7 +12,7 @@ next synchronization. torch_tpu does what CUDA does, without a host round trip p
   so the text comes back on every cache hit and with a program loaded from the on-disk store). After a call, the
   executor hands the concrete flags to `register()`; `jit()` does both for jitted per-op callables.
 - At every synchronization point (`_runtime.download`: `.cpu()`, `.item()`, printing; `torch.tpu.synchronize()`)
-  `raise_pending()` reads all pending flags with one `jax.device_get` and raises the first bad one as the
+  `raise_pending()` reads all pending flags with one transfer and raises the first bad one as the
   exception CPU raises (IndexError or RuntimeError), naming the op, the index, the dimension and the size. Under
   DEFER_NEVER_AND_LAUNCH_BLOCKING the flags are read right after the op. The pending list is bounded: past
   `_MAX_PENDING` flags the oldest half is read (those ops are done by then).
@@ -233,7 +233,7 @@ def _launch_blocking() -> bool:
 
 
 def raise_pending(at_op: bool = False) -> None:
-    """Reads every pending flag (one device_get) and raises the first out-of-range index found; the flags read
+    """Reads every pending flag (one transfer) and raises the first out-of-range index found; the flags read
     are cleared, so an error is raised once and later work is not affected."""
     if not _pending:
         return
@@ -243,10 +243,31 @@ def raise_pending(at_op: bool = False) -> None:
     _raise_first(items, at_op)
 
 
+_stack = None  # jitted jnp.stack: several flags of one device come back in one transfer
+
+
+def _read_flags(arrays: list[Any]) -> Any:
+    """The values of the flag arrays: one program stacking them and one device-to-host copy when they are on one
+    device (each copy is a round trip through the runtime's threads), else one copy each."""
+    global _stack
+    if len(arrays) > 1:
+        device = None
+        for a in arrays:
+            ds = a.devices()
+            if len(ds) != 1 or (device is not None and device not in ds) or a.shape != arrays[0].shape:
+                break
+            device = next(iter(ds))
+        else:
+            if _stack is None:
+                _stack = jax.jit(jnp.stack)
+            return jax.device_get(_stack(arrays))
+    return jax.device_get(arrays)
+
+
 def _raise_first(items: list[tuple[str, Any]], at_op: bool) -> None:
     if not items:
         return
-    values = jax.device_get([a for _, a in items])
+    values = _read_flags([a for _, a in items])
     for (key, arr), v in zip(items, values):
         if int(v[0]):
             _, error, text = key.split("|", 2)
