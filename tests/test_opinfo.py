@@ -85,3 +85,53 @@ def test_opinfo_float32_grad(op, key) -> None:
 @pytest.mark.parametrize("op,key", _grad_cases(fwad_ops(torch.float32), "fwad"))
 def test_opinfo_float32_fwad(op, key) -> None:
     _run(op, key, torch.float32, cap=0, variants=False, check=lambda: check_grad_op(op, torch.float32, mode="fwad"))
+
+
+class _SinWithDeviceBackward(torch.autograd.Function):
+    """sin whose derivative is off by `BIAS` on tpu only (or missing there, with BIAS None): what the gradient
+    checks must catch."""
+
+    BIAS: float | None = 1.0
+
+    @staticmethod
+    def forward(x):
+        return x.sin()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.save_for_forward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        if x.device.type == "tpu":
+            return None if _SinWithDeviceBackward.BIAS is None else g * x.cos() + _SinWithDeviceBackward.BIAS
+        return g * x.cos()
+
+    @staticmethod
+    def jvp(ctx, t):
+        (x,) = ctx.saved_tensors
+        bias = _SinWithDeviceBackward.BIAS if x.device.type == "tpu" else 0.0
+        return t * x.cos() + bias
+
+
+@pytest.mark.parametrize("mode,bias", [("grad", 1.0), ("grad", None), ("fwad", 1.0)])
+def test_gradient_checks_catch_wrong_derivatives(mode, bias) -> None:
+    """The gradient harness fails on a derivative that is wrong (or missing) on tpu alone, and passes the same
+    op with the right one: the grad/fwad cases cannot pass whatever tpu computes."""
+    import copy
+
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    sin = next(op for op in op_db if op.name == "sin" and not op.variant_test_name)
+    wrong = copy.copy(sin)
+    wrong.op = lambda x, *a, **k: _SinWithDeviceBackward.apply(x)
+    _SinWithDeviceBackward.BIAS = bias
+    try:
+        with pytest.raises(AssertionError, match="tpu gives no gradient" if bias is None else "is wrong"):
+            check_grad_op(wrong, torch.float32, mode=mode)
+        _SinWithDeviceBackward.BIAS = 0.0
+        assert check_grad_op(wrong, torch.float32, mode=mode) > 0
+    finally:
+        _SinWithDeviceBackward.BIAS = 1.0
