@@ -113,7 +113,8 @@ def write_doc(results: dict[str, str | None], elapsed: dict[str, float]) -> None
     passed: Counter = Counter()
     for key, reason in results.items():
         kind = kind_of(key)
-        dt = key.split(":")[-1] if kind == "forward" else {"grad": "float32 gradient", "fwad": "float32 forward AD"}[kind]
+        names = {"grad": "float32 gradient", "fwad": "float32 forward AD"}
+        dt = key.split(":")[-1] if kind == "forward" else names[kind]
         by_dtype[dt] += 1
         passed[dt] += reason is None
     out = ["# Operator coverage", "",
