@@ -201,3 +201,247 @@ def check_op(op: Any, dtype: torch.dtype, cap: int = CAP, variants: bool = True)
         for i, sample in enumerate(samples[:2]):
             check_out(op, sample, dtype, f"{op_id(op)} {dtype} sample {i} out=")
     return len(samples)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Gradients: reverse mode (torch.autograd.grad) and forward mode (torch.autograd.forward_ad) on tpu against CPU.
+#
+# Samples come from op.sample_inputs(..., requires_grad=True): the tensors the OpInfo makes differentiable (the
+# input and tensor arguments) are the ones differentiated. The op runs through op.gradcheck_wrapper (e.g. it makes
+# eigh's input Hermitian) and sample.output_process_fn_grad (it keeps the outputs whose gradient is defined), as
+# PyTorch's own gradient tests do. Outputs that are not differentiable on CPU (integer/bool outputs, indices) get
+# no upstream gradient. Upstream gradients and tangents are drawn once on CPU from a seeded generator and copied
+# to tpu, so both devices differentiate with the same values.
+#
+# A missing gradient: where CPU returns None for an input (no path from the outputs to it), tpu must return None
+# or an all-zero tensor (the same gradient, materialised); where CPU returns a tensor, tpu must return a tensor
+# of the same dtype and shape on tpu (None there would make optimizers skip the parameter). An output that
+# requires grad on CPU must require grad on tpu; where CPU's backward raises, tpu's must raise too.
+#
+# Values: rtol 2e-4 / atol 2e-5; beyond that, CPU's float64 gradient of the same sample decides (tpu passes
+# where it is within twice CPU's float32 error of it: ill-conditioned samples such as logcumsumexp of 1e4).
+# Samples that draw random numbers (an ATen op tagged nondeterministic_seeded runs: dropout) are compared for
+# dtype, shape and device only. Up to GRAD_CAP samples are taken, those with more than one element first (an
+# empty or 1x1 sample cannot tell a gradient from its transpose), plus the first one made non-contiguous.
+
+GRAD_CAP = int(os.environ.get("TORCH_TPU_OPINFO_GRAD_SAMPLES", "2"))
+GRAD_TOLERANCES = {torch.float32: (2e-4, 2e-5)}
+
+
+def grad_ops(dtype: torch.dtype = torch.float32) -> list:
+    """The OpInfos whose gradients are checked in `dtype`: those that support autograd there on CPU."""
+    return [op for op in opinfo_ops(dtype) if op.supports_autograd and dtype in op.supported_backward_dtypes("cpu")]
+
+
+def fwad_ops(dtype: torch.dtype = torch.float32) -> list:
+    return [op for op in grad_ops(dtype) if op.supports_forward_ad]
+
+
+def _differentiable(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+class _Flat:
+    """A sample as one flat list of leaves (input, args, kwargs), copied to `device` with the same geometry."""
+
+    def __init__(self, op: Any, sample: Any, device: str) -> None:
+        if device == "cpu":
+            moved = sample.transform(_clone)
+        else:
+            moved = _tpu_sample(op, sample)
+        self.leaves, self.spec = tree_flatten((moved.input, moved.args, moved.kwargs))
+        self.output_process = sample.output_process_fn_grad
+
+    def call(self, op: Any, leaves: list) -> Any:
+        from torch.utils._pytree import tree_unflatten
+
+        inp, args, kwargs = tree_unflatten(leaves, self.spec)
+        return self.output_process(op.gradcheck_wrapper(op.get_op(), inp, *args, **kwargs))
+
+
+def _seeded_like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Deterministic values shaped like t (on CPU), drawn from gen."""
+    return torch.randn(t.shape, dtype=t.dtype, generator=gen)
+
+
+def _compare_grads(actual: list, expected: list, names: list[str], dtype: torch.dtype, what: str,
+                   check_values: bool = True, reference=None, random=None) -> None:
+    """tpu's gradients against CPU's. Where values differ beyond the tolerance, `reference()` (CPU in float64)
+    decides: tpu passes where it is as close to the float64 result as CPU's float32 is (ill-conditioned samples,
+    e.g. logcumsumexp of 1e4, where both devices carry the same float32 rounding error)."""
+    rtol, atol = GRAD_TOLERANCES.get(dtype, (2e-4, 2e-5))
+    for j, (a, e, name) in enumerate(zip(actual, expected, names)):
+        if e is None:
+            if a is not None and (a.device.type != "tpu" or bool((a.detach().cpu() != 0).any())):
+                raise AssertionError(f"{what}: {name}: CPU gives no gradient (None), tpu a non-zero one")
+            continue
+        if a is None:
+            raise AssertionError(f"{what}: {name}: tpu gives no gradient (None), CPU a {e.dtype}{list(e.shape)} one")
+        if a.device.type != "tpu":
+            raise AssertionError(f"{what}: {name}: gradient on {a.device}, expected tpu")
+        if a.dtype != e.dtype or a.shape != e.shape:
+            raise AssertionError(f"{what}: {name}: tpu gave {a.dtype}{list(a.shape)}, CPU {e.dtype}{list(e.shape)}")
+        if not check_values:
+            continue
+        a_cpu, e_cpu = a.detach().cpu(), e.detach()
+        try:
+            torch.testing.assert_close(a_cpu, e_cpu, rtol=rtol, atol=atol, equal_nan=True,
+                                       msg=lambda m: f"{what}: {name}: {m}")
+        except AssertionError:
+            if random is not None and random():
+                check_values = False  # random values (dropout): dtype, shape and device only
+                continue
+            ref = reference()[j] if reference is not None else None
+            if ref is None:
+                raise
+            ref = ref.detach()
+            err_tpu, err_cpu = (a_cpu.double() - ref).abs(), (e_cpu.double() - ref).abs()
+            ok = (err_tpu <= 2 * err_cpu.nan_to_num().max() + atol + rtol * ref.abs()) | (a_cpu.isnan() & e_cpu.isnan())
+            if not bool(ok.all()):
+                raise AssertionError(f"{what}: {name} is wrong: {float(err_tpu.max()):.3g} from CPU's float64 result "
+                                     f"(CPU's float32: {float(err_cpu.max()):.3g})") from None
+
+
+def _nondeterministic(op: Any, sample: Any) -> bool:
+    """Whether the op draws random numbers for this sample (dropout inside attention, rrelu in training): an ATen
+    op tagged nondeterministic_seeded runs in CPU's forward. Seeding does not help: tpu's generator has its own
+    stream (and OpInfos such as multi_head_attention_forward reseed inside the op). Such samples are checked for
+    gradient dtype, shape and device only."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seeded(TorchDispatchMode):
+        seen = False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if torch.Tag.nondeterministic_seeded in func.tags:
+                Seeded.seen = True
+            return func(*args, **(kwargs or {}))
+
+    c = sample.transform(_clone)
+    with torch.no_grad(), Seeded():
+        op(c.input, *c.args, **c.kwargs)
+    return Seeded.seen
+
+
+def _float64(sample: Any) -> Any:
+    def up(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t.detach().double().requires_grad_(t.requires_grad)
+        return t
+    return sample.transform(up)
+
+
+def check_grad_sample(op: Any, sample: Any, dtype: torch.dtype, what: str, seed: int) -> bool:
+    """Reverse mode for one sample. Returns False where the sample has nothing to differentiate on CPU."""
+    cpu, tpu = _Flat(op, sample, "cpu"), _Flat(op, sample, "tpu")
+    wrt = [i for i, t in enumerate(cpu.leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not wrt:
+        return False
+    try:
+        expected_out = cpu.call(op, cpu.leaves)
+    except RuntimeError:
+        return False  # CPU rejects the sample: the forward check compares the error
+    e_outs = tree_flatten(expected_out)[0]
+    a_outs = tree_flatten(tpu.call(op, tpu.leaves))[0]
+    if len(a_outs) != len(e_outs):
+        raise AssertionError(f"{what}: {len(a_outs)} outputs on tpu, {len(e_outs)} on CPU")
+    diff = [k for k, o in enumerate(e_outs) if _differentiable(o) and o.requires_grad]
+    if not diff:
+        return False
+    for k in diff:
+        if not (isinstance(a_outs[k], torch.Tensor) and a_outs[k].requires_grad):
+            raise AssertionError(f"{what}: output {k} requires grad on CPU but not on tpu (no autograd graph)")
+    gen = torch.Generator().manual_seed(seed)
+    upstream = [_seeded_like(e_outs[k], gen) for k in diff]
+
+    def grads(flat: _Flat, outs: list, ups: list) -> tuple:
+        return torch.autograd.grad([outs[k] for k in diff], [flat.leaves[i] for i in wrt], ups, allow_unused=True)
+
+    try:
+        expected = grads(cpu, e_outs, upstream)
+    except RuntimeError as err:  # CPU cannot differentiate this sample: tpu must refuse too
+        try:
+            grads(tpu, a_outs, [g.to("tpu") for g in upstream])
+        except (RuntimeError, NotImplementedError):
+            return True
+        raise AssertionError(f"{what}: CPU backward raises ({str(err).splitlines()[0]}), tpu does not") from None
+    actual = grads(tpu, a_outs, [g.to("tpu") for g in upstream])
+
+    def reference() -> list | None:
+        try:
+            ref = _Flat(op, _float64(sample), "cpu")
+            outs = tree_flatten(ref.call(op, ref.leaves))[0]
+            return list(grads(ref, outs, [g.double() for g in upstream]))
+        except Exception:  # noqa: BLE001 - no float64 reference for this op: the float32 comparison stands
+            return None
+
+    _compare_grads(list(actual), list(expected), [f"grad of input {i}" for i in wrt], dtype, what,
+                   check_values=op.name not in UNCHECKED_VALUES and op_id(op) not in UNCHECKED_VALUES,
+                   reference=reference, random=lambda: _nondeterministic(op, sample))
+    return True
+
+
+def check_fwad_sample(op: Any, sample: Any, dtype: torch.dtype, what: str, seed: int) -> bool:
+    """Forward mode for one sample: tangents on the differentiable inputs, output tangents compared."""
+    import torch.autograd.forward_ad as fwAD
+
+    cpu, tpu = _Flat(op, sample, "cpu"), _Flat(op, sample, "tpu")
+    wrt = [i for i, t in enumerate(cpu.leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not wrt:
+        return False
+    gen = torch.Generator().manual_seed(seed)
+    tangents = {i: _seeded_like(cpu.leaves[i], gen) for i in wrt}
+
+    def run(flat: _Flat, device: str, cast: torch.dtype | None = None) -> list:
+        with fwAD.dual_level():
+            leaves = list(flat.leaves)
+            for i, t in tangents.items():
+                primal = leaves[i].detach()
+                tangent = _same_geometry(t, device) if device == "tpu" else t.to(cast or t.dtype)
+                leaves[i] = fwAD.make_dual(primal, tangent)
+            outs = tree_flatten(flat.call(op, leaves))[0]
+            return [fwAD.unpack_dual(o).tangent if _differentiable(o) else None for o in outs]
+
+    try:
+        expected = run(cpu, "cpu")
+    except (RuntimeError, NotImplementedError):
+        return False  # CPU has no forward-AD formula for this sample (or rejects it)
+    actual = run(tpu, "tpu")
+    if len(actual) != len(expected):
+        raise AssertionError(f"{what}: {len(actual)} outputs on tpu, {len(expected)} on CPU")
+
+    def reference() -> list | None:
+        try:
+            return run(_Flat(op, _float64(sample), "cpu"), "cpu", torch.float64)
+        except Exception:  # noqa: BLE001
+            return None
+
+    _compare_grads(actual, expected, [f"tangent of output {k}" for k in range(len(expected))], dtype, what,
+                   check_values=op.name not in UNCHECKED_VALUES and op_id(op) not in UNCHECKED_VALUES,
+                   reference=reference, random=lambda: _nondeterministic(op, sample))
+    return True
+
+
+def _informative_first(samples: list) -> list:
+    """Samples whose largest tensor has more than one element first (in their order), then the others: an empty or
+    1x1 sample cannot tell a gradient from its transpose (det's sample list starts with 0x0 and 1x1)."""
+    def size(s: Any) -> int:
+        return max((t.numel() for t in _sample_tensors(s)), default=0)
+    return [s for s in samples if size(s) > 1] + [s for s in samples if size(s) <= 1]
+
+
+def check_grad_op(op: Any, dtype: torch.dtype = torch.float32, cap: int = GRAD_CAP, mode: str = "grad",
+                  noncontiguous: bool = True) -> int:
+    """Reverse-mode (mode="grad") or forward-mode (mode="fwad") gradients of up to `cap` samples, plus the first
+    one made non-contiguous. Returns the number of samples differentiated; raises on the first failure."""
+    base = zlib.crc32(f"{op_id(op)}:{dtype}:{mode}".encode())
+    torch.manual_seed(base)
+    samples = _informative_first(list(op.sample_inputs("cpu", dtype, requires_grad=True)))[:cap]
+    check = check_grad_sample if mode == "grad" else check_fwad_sample
+    done = 0
+    for i, sample in enumerate(samples):
+        done += check(op, sample, dtype, f"{op_id(op)} {dtype} {mode} sample {i}", base + i)
+        if noncontiguous and i == 0:
+            check(op, sample.noncontiguous(), dtype, f"{op_id(op)} {dtype} {mode} sample {i} noncontiguous",
+                  base + i)
+    return done

@@ -6,6 +6,10 @@ op that starts passing fails the run until the list is updated (tools/gen_op_cov
 
 The same cases run again under DEFER_AND_FUSE (ops recorded and run as fused graphs), with the same expected
 failures: deferred execution must not change any result, error, alias or out= behaviour.
+
+Gradients run in float32 under DEFER_NEVER: reverse mode for every OpInfo that supports autograd
+("name:float32:grad") and forward mode for those that support forward AD ("name:float32:fwad"), in the same
+expected-failure list (opinfo_harness.check_grad_op says what is compared).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import torch
 import torch_tpu
 
 from opinfo_expected import EXPECTED_FAILURES
-from opinfo_harness import check_op, op_id, opinfo_ops
+from opinfo_harness import check_grad_op, check_op, fwad_ops, grad_ops, op_id, opinfo_ops
 
 
 def _cases(dtype: torch.dtype) -> list:
@@ -26,12 +30,20 @@ def _cases(dtype: torch.dtype) -> list:
     return params
 
 
-def _run(op, key: str, dtype: torch.dtype, cap: int, variants: bool, mode: str = "DEFER_NEVER") -> None:
+def _grad_cases(ops: list, kind: str) -> list:
+    return [pytest.param(op, f"{op_id(op)}:float32:{kind}", id=f"{op_id(op)}:float32:{kind}") for op in ops]
+
+
+def _run(op, key: str, dtype: torch.dtype, cap: int, variants: bool, mode: str = "DEFER_NEVER",
+         check=None) -> None:
     assert torch_tpu._C._fallback_mode() == 0, "the OpInfo suite must run with the strict missing-op policy"
     reason = EXPECTED_FAILURES.get(key)
     try:
         with torch.tpu.set_eager_mode(mode):
-            check_op(op, dtype, cap=cap, variants=variants)
+            if check is None:
+                check_op(op, dtype, cap=cap, variants=variants)
+            else:
+                check()
     except Exception:  # noqa: BLE001 - a listed failure may fail in any way
         if reason is None:
             raise
@@ -61,3 +73,65 @@ def test_opinfo_float32_fused(op, key) -> None:
 def test_opinfo_other_dtypes_fused(op, key) -> None:
     dtype = {"int64": torch.int64, "bool": torch.bool, "bfloat16": torch.bfloat16}[key.rsplit(":", 1)[1]]
     _run(op, key, dtype, cap=2, variants=False, mode="DEFER_AND_FUSE")
+
+
+# Gradients (float32, DEFER_NEVER): reverse mode for every OpInfo that supports autograd, forward mode for those
+# that support forward AD; keys "name:float32:grad" / "name:float32:fwad" in the same expected-failure list.
+@pytest.mark.parametrize("op,key", _grad_cases(grad_ops(torch.float32), "grad"))
+def test_opinfo_float32_grad(op, key) -> None:
+    _run(op, key, torch.float32, cap=0, variants=False, check=lambda: check_grad_op(op, torch.float32, mode="grad"))
+
+
+@pytest.mark.parametrize("op,key", _grad_cases(fwad_ops(torch.float32), "fwad"))
+def test_opinfo_float32_fwad(op, key) -> None:
+    _run(op, key, torch.float32, cap=0, variants=False, check=lambda: check_grad_op(op, torch.float32, mode="fwad"))
+
+
+class _SinWithDeviceBackward(torch.autograd.Function):
+    """sin whose derivative is off by `BIAS` on tpu only (or missing there, with BIAS None): what the gradient
+    checks must catch."""
+
+    BIAS: float | None = 1.0
+
+    @staticmethod
+    def forward(x):
+        return x.sin()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.save_for_forward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        if x.device.type == "tpu":
+            return None if _SinWithDeviceBackward.BIAS is None else g * x.cos() + _SinWithDeviceBackward.BIAS
+        return g * x.cos()
+
+    @staticmethod
+    def jvp(ctx, t):
+        (x,) = ctx.saved_tensors
+        bias = _SinWithDeviceBackward.BIAS if x.device.type == "tpu" else 0.0
+        return t * x.cos() + bias
+
+
+@pytest.mark.parametrize("mode,bias", [("grad", 1.0), ("grad", None), ("fwad", 1.0)])
+def test_gradient_checks_catch_wrong_derivatives(mode, bias) -> None:
+    """The gradient harness fails on a derivative that is wrong (or missing) on tpu alone, and passes the same
+    op with the right one: the grad/fwad cases cannot pass whatever tpu computes."""
+    import copy
+
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    sin = next(op for op in op_db if op.name == "sin" and not op.variant_test_name)
+    wrong = copy.copy(sin)
+    wrong.op = lambda x, *a, **k: _SinWithDeviceBackward.apply(x)
+    _SinWithDeviceBackward.BIAS = bias
+    try:
+        with pytest.raises(AssertionError, match="tpu gives no gradient" if bias is None else "is wrong"):
+            check_grad_op(wrong, torch.float32, mode=mode)
+        _SinWithDeviceBackward.BIAS = 0.0
+        assert check_grad_op(wrong, torch.float32, mode=mode) > 0
+    finally:
+        _SinWithDeviceBackward.BIAS = 1.0

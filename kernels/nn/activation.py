@@ -216,6 +216,16 @@ def glu_backward(grad_output: Any, self: Any, dim: int) -> Any:
     return jnp.concatenate([g * s, g * a * s * (1 - s)], axis=dim).astype(self.dtype)
 
 
+@lower("glu_jvp")
+def glu_jvp(glu: Any, x: Any, dx: Any, dim: int) -> Any:
+    """Forward-mode derivative of glu (a * sigmoid(b)): da * sigmoid(b) + glu * (1 - sigmoid(b)) * db."""
+    dim = dim % x.ndim
+    _, b = jnp.split(_opmath(x), 2, axis=dim)
+    da, db = jnp.split(_opmath(dx), 2, axis=dim)
+    s = jax.nn.sigmoid(b)
+    return (da * s + _opmath(glu) * (1 - s) * db).astype(glu.dtype)
+
+
 @lower("_prelu_kernel")
 def _prelu_kernel(self: Any, weight: Any) -> Any:
     x, w = _opmath(self), _opmath(weight)
