@@ -216,9 +216,6 @@ def test_eig_against_cpu(dtype, mode) -> None:
     torch.testing.assert_close(ac @ v, v * w[..., None, :], **tol)
 
 
-@pytest.mark.xfail(strict=True, reason="eig's backward (PyTorch's linalg_eig_backward) multiplies V.mH, a "
-                   "conjugate-bit view, and matmul on tpu ignores the conj bit of its operands (issue 13's conj/neg "
-                   "bit bugs, helper h7): the gauge check then fails. Remove this mark once that is fixed.")
 def test_eig_grad_against_cpu() -> None:
     a = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
 
