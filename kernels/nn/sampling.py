@@ -8,36 +8,44 @@ import itertools
 from typing import Any, Sequence
 
 from torch_tpu._jax import jax, jnp
-from torch_tpu.kernels.nn._common import _opmath
 from torch_tpu.kernels.registry import lower
 
 _BILINEAR, _NEAREST, _BICUBIC = 0, 1, 2
 _ZEROS, _BORDER, _REFLECTION = 0, 1, 2
 
 
-def _unnormalize(c: Any, size: int, align_corners: bool) -> Any:
-    if align_corners:
-        return (c + 1) / 2 * (size - 1)
-    return ((c + 1) * size - 1) / 2
+def _unnormalize(c: Any, size: int, align_corners: bool, vectorized: bool) -> Any:
+    """Grid coordinate in [-1, 1] -> pixel coordinate. `vectorized`: the operation order of ATen's vectorized 2-d
+    kernel, else of its scalar 3-d kernel; both compute in the input's dtype, so bfloat16 rounds as on CPU."""
+    if vectorized:
+        return (c + 1) * ((size - 1) / 2) if align_corners else (c + 1) * (size / 2) - 0.5
+    return (c + 1) / 2 * (size - 1) if align_corners else ((c + 1) * size - 1) / 2
 
 
-def _reflect(c: Any, twice_low: int, twice_high: int) -> Any:
+def _reflect(c: Any, twice_low: int, twice_high: int, vectorized: bool) -> Any:
     if twice_low == twice_high:
         return jnp.zeros_like(c)
     low = twice_low / 2
     span = (twice_high - twice_low) / 2
+    if vectorized:  # ATen's vectorized form: fold |c - low| into [0, 2 span), then mirror the upper half
+        a = jnp.abs(c - low)
+        extra = a - jnp.trunc(a / (2 * span)) * (2 * span)
+        return jnp.minimum(extra, 2 * span - extra) + low
     c = jnp.abs(c - low)
     extra = jnp.fmod(c, span)
     flips = jnp.floor(c / span)
     return jnp.where(jnp.fmod(flips, 2) == 0, extra + low, span - extra + low)
 
 
-def _pad_coordinates(c: Any, size: int, padding_mode: int, align_corners: bool) -> Any:
+def _pad_coordinates(c: Any, size: int, padding_mode: int, align_corners: bool, vectorized: bool) -> Any:
     """ATen's compute_coordinates: clip (border) or reflect then clip (reflection); zeros leaves c as it is."""
     if padding_mode == _BORDER:
         return jnp.clip(c, 0, size - 1)
     if padding_mode == _REFLECTION:
-        c = _reflect(c, 0, 2 * (size - 1)) if align_corners else _reflect(c, -1, 2 * size - 1)
+        if align_corners:
+            c = _reflect(c, 0, 2 * (size - 1), vectorized)
+        else:
+            c = _reflect(c, -1, 2 * size - 1, vectorized)
         return jnp.clip(c, 0, size - 1)
     return c
 
@@ -74,12 +82,15 @@ def _cubic(t: Any) -> list[Any]:
 
 
 def _grid_sample(input: Any, grid: Any, interpolation_mode: int, padding_mode: int, align_corners: bool) -> Any:
-    x = _opmath(input)
-    g = _opmath(grid).astype(x.dtype)
+    """In the input's dtype with ATen's operation order (the 2-d vectorized kernel, the 3-d scalar one), so that
+    bfloat16 rounds as CPU's kernels do."""
+    x = input
+    g = grid.astype(x.dtype)
     nd = x.ndim - 2
+    vec = nd == 2
     sizes = x.shape[2:]
     # grid[..., 0] indexes the last spatial dim (W), grid[..., 1] the one before (H), ...
-    coords = [_unnormalize(g[..., nd - 1 - j], sizes[j], align_corners) for j in range(nd)]
+    coords = [_unnormalize(g[..., nd - 1 - j], sizes[j], align_corners, vec) for j in range(nd)]
     if interpolation_mode == _BICUBIC:
         base = [jnp.floor(c) for c in coords]
         weights = [_cubic(c - b) for c, b in zip(coords, base)]
@@ -87,21 +98,28 @@ def _grid_sample(input: Any, grid: Any, interpolation_mode: int, padding_mode: i
         for taps in itertools.product(range(4), repeat=nd):
             idx, w = [], 1
             for j, k in enumerate(taps):
-                pos = _pad_coordinates(base[j] - 1 + k, sizes[j], padding_mode, align_corners)
+                pos = _pad_coordinates(base[j] - 1 + k, sizes[j], padding_mode, align_corners, vec)
                 idx.append(jnp.trunc(pos))
                 w = w * weights[j][k]
             out = out + _gather(x, idx) * w[:, None]
         return out
-    coords = [_pad_coordinates(c, s, padding_mode, align_corners) for c, s in zip(coords, sizes)]
+    coords = [_pad_coordinates(c, s, padding_mode, align_corners, vec) for c, s in zip(coords, sizes)]
     if interpolation_mode == _NEAREST:
         return _gather(x, [jnp.round(c) for c in coords])
     base = [jnp.floor(c) for c in coords]
-    frac = [c - b for c, b in zip(coords, base)]
+    if vec:  # distances to the lower / upper neighbour: f and 1 - f; weights multiply H's then W's
+        lo = [c - b for c, b in zip(coords, base)]
+        parts = [(1 - f, f) for f in lo]
+        order = list(range(nd))
+    else:  # (floor + 1 - c) and (c - floor); weights multiply W's, H's, then D's
+        parts = [((b + 1) - c, c - b) for c, b in zip(coords, base)]
+        order = list(reversed(range(nd)))
     out = 0
     for corner in itertools.product((0, 1), repeat=nd):
-        w = 1
-        for j, bit in enumerate(corner):
-            w = w * (frac[j] if bit else 1 - frac[j])
+        w = None
+        for j in order:
+            p = parts[j][corner[j]]
+            w = p if w is None else w * p
         out = out + _gather(x, [b + bit for b, bit in zip(base, corner)]) * w[:, None]
     return out
 
@@ -132,7 +150,7 @@ def grid_sampler(input: Any, grid: Any, interpolation_mode: int, padding_mode: i
     """F.grid_sample: input (N, C, *in) sampled at grid (N, *out, nd) in [-1, 1] coordinates."""
     _check_grid_sampler("grid_sampler_3d" if input.ndim == 5 else "grid_sampler_2d", input, grid,
                         interpolation_mode, padding_mode)
-    return _grid_sample(input, grid, interpolation_mode, padding_mode, align_corners).astype(input.dtype)
+    return _grid_sample(input, grid, interpolation_mode, padding_mode, align_corners)
 
 
 @lower("grid_sampler_2d_backward", "grid_sampler_3d_backward")
@@ -142,6 +160,6 @@ def grid_sampler_backward(
 ) -> tuple[Any, Any]:
     """(grad_input, grad_grid) by the VJP of the forward (zeros for an output masked off)."""
     f = lambda x, g: _grid_sample(x, g, interpolation_mode, padding_mode, align_corners)  # noqa: E731
-    _, vjp = jax.vjp(f, _opmath(input), _opmath(grid).astype(_opmath(input).dtype))
-    gx, gg = vjp(_opmath(grad_output).astype(_opmath(input).dtype))
+    _, vjp = jax.vjp(f, input, grid.astype(input.dtype))
+    gx, gg = vjp(grad_output.astype(input.dtype))
     return gx.astype(input.dtype), gg.astype(grid.dtype)
