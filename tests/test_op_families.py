@@ -266,3 +266,20 @@ def test_histogram_weights_density_range(mode: str) -> None:
         torch.testing.assert_close(a.hist.cpu(), e.hist)
         for ae, ee in zip(a.bin_edges, e.bin_edges):
             torch.testing.assert_close(ae.cpu(), ee)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_embedding_max_norm_renormalizes_weight_in_place(mode: str) -> None:
+    torch.manual_seed(8)
+    w = torch.randn(10, 4)
+    idx, off = torch.tensor([1, 2, 3, 1, 9]), torch.tensor([0, 2])
+    wc, wt = w.clone(), w.to("tpu")
+    with torch.tpu.set_eager_mode(mode):
+        e = F.embedding_bag(idx, wc, off, max_norm=0.5, norm_type=1.5)
+        a = F.embedding_bag(idx.to("tpu"), wt, off.to("tpu"), max_norm=0.5, norm_type=1.5)
+        torch.testing.assert_close(a.cpu(), e)
+        torch.testing.assert_close(wt.cpu(), wc)  # rows 1, 2, 3, 9 rescaled, the others untouched
+        e = F.embedding(idx, wc, max_norm=0.3)
+        a = F.embedding(idx.to("tpu"), wt, max_norm=0.3)
+        torch.testing.assert_close(a.cpu(), e)
+        torch.testing.assert_close(wt.cpu(), wc)

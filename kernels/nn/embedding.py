@@ -26,6 +26,27 @@ def embedding_dense_backward(
     return jnp.zeros((num_weights, dim), g.dtype).at[idx].add(g).astype(grad_output.dtype)
 
 
+@lower("embedding_renorm", checks=True)
+def embedding_renorm(self: Any, indices: Any, max_norm: float, norm_type: float) -> Any:
+    """max_norm of F.embedding / F.embedding_bag (installed in place as embedding_renorm_): each row named in
+    `indices` whose norm_type-norm exceeds max_norm is scaled to max_norm / (norm + 1e-7), as ATen does."""
+    if self.ndim != 2:
+        raise RuntimeError(f"embedding_renorm_: expected a 2-D weight, got {self.ndim}-D")
+    idx = indices.reshape(-1)
+    report_bad_index("embedding_renorm_", idx, self.shape[0])
+    w = _opmath(self)
+    a = jnp.abs(w)
+    if norm_type == float("inf"):
+        norms = jnp.max(a, axis=1)
+    elif norm_type == 0:
+        norms = jnp.sum((a != 0).astype(w.dtype), axis=1)
+    else:
+        norms = jnp.sum(a ** norm_type, axis=1) ** (1.0 / norm_type)
+    named = jnp.zeros((self.shape[0],), bool).at[idx].set(True, mode="drop")
+    scale = jnp.where(named & (norms > max_norm), max_norm / (norms + 1e-7), 1.0)
+    return (w * scale[:, None].astype(w.dtype)).astype(self.dtype)
+
+
 # ---- embedding_bag ----
 # Bags are given by `offsets` (the start of each bag in the flat `indices`). A bag's members are found on the
 # device with searchsorted, so offsets never reach the host; the output has one row per bag (a static shape).
