@@ -694,8 +694,8 @@ def _hist_edges(x: Any, bins: Sequence[int], range: Sequence[float] | None) -> l
             lo, hi = jnp.asarray(range[2 * d], jnp.float64), jnp.asarray(range[2 * d + 1], jnp.float64)
         elif x.shape[0]:
             lo, hi = jnp.min(x[:, d]).astype(jnp.float64), jnp.max(x[:, d]).astype(jnp.float64)
-        else:
-            lo = hi = jnp.zeros((), jnp.float64)
+        else:  # no data and no range: ATen's default extent [0, 1]
+            lo, hi = jnp.zeros((), jnp.float64), jnp.ones((), jnp.float64)
         same = lo == hi
         lo, hi = jnp.where(same, lo - 0.5, lo), jnp.where(same, hi + 0.5, hi)
         # ATen's linspace: from the start for the first half of the points, from the end for the rest.

@@ -283,3 +283,16 @@ def test_embedding_max_norm_renormalizes_weight_in_place(mode: str) -> None:
         a = F.embedding(idx.to("tpu"), wt, max_norm=0.3)
         torch.testing.assert_close(a.cpu(), e)
         torch.testing.assert_close(wt.cpu(), wc)
+
+
+def test_empty_inputs_histogram_and_fractional_pool() -> None:
+    """No data: histogram's default extent is [0, 1] (not the +-0.5 around an empty range); a pool over zero
+    planes gives an empty result and gradient."""
+    for x in (torch.empty(0), torch.empty(5, 0, 5)):
+        e, a = torch.histogram(x, 3), torch.histogram(x.to("tpu"), 3)
+        torch.testing.assert_close(a.hist.cpu(), e.hist)
+        torch.testing.assert_close(a.bin_edges.cpu(), e.bin_edges)
+    x = torch.randn(0, 1, 4, 5, 4, device="tpu", requires_grad=True)
+    out = F.fractional_max_pool3d(x, (2, 2, 1), output_size=2)
+    assert out.shape == (0, 1, 2, 2, 2)
+    assert torch.autograd.grad(out.sum(), x)[0].shape == x.shape

@@ -396,9 +396,10 @@ def _fractional_max_pool(name: str, nd: int) -> Callable[..., tuple[Any, Any]]:
             shape[1 + j], shape[1 + nd + j] = out[j], k[j]
             flat = flat + idx.reshape(shape) * stride
             stride *= sizes[j]
-        flat = jnp.broadcast_to(flat, (planes,) + tuple(out) + tuple(k)).reshape(planes, math.prod(out), -1)
-        x = self.reshape(planes, -1)
-        vals = jnp.take_along_axis(x, flat.reshape(planes, -1), axis=1).reshape(flat.shape)
+        flat = jnp.broadcast_to(flat, (planes,) + tuple(out) + tuple(k))
+        flat = flat.reshape(planes, math.prod(out), math.prod(k))
+        x = self.reshape(planes, math.prod(sizes))
+        vals = jnp.take_along_axis(x, flat.reshape(planes, flat.shape[1] * flat.shape[2]), axis=1).reshape(flat.shape)
         arg = jnp.argmax(vals, axis=-1)[..., None]  # the first max; a NaN wins
         value = jnp.take_along_axis(vals, arg, axis=-1)[..., 0]
         index = jnp.take_along_axis(flat, arg, axis=-1)[..., 0]
@@ -415,10 +416,14 @@ lower("fractional_max_pool3d")(_fractional_max_pool("fractional_max_pool3d", 3))
 @lower("fractional_max_pool2d_backward")
 def fractional_max_pool2d_backward(grad_output: Any, self: Any, kernel_size: Any, output_size: Any,
                                    indices: Any) -> Any:
+    if self.size == 0:
+        return jnp.zeros(self.shape, self.dtype)
     return _max_pool_backward(grad_output, self, indices, 2)
 
 
 @lower("fractional_max_pool3d_backward")
 def fractional_max_pool3d_backward(grad_output: Any, self: Any, kernel_size: Any, output_size: Any,
                                    indices: Any) -> Any:
+    if self.size == 0:
+        return jnp.zeros(self.shape, self.dtype)
     return _max_pool_backward(grad_output, self, indices, 3)
