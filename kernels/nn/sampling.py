@@ -92,16 +92,18 @@ def _grid_sample(input: Any, grid: Any, interpolation_mode: int, padding_mode: i
     # grid[..., 0] indexes the last spatial dim (W), grid[..., 1] the one before (H), ...
     coords = [_unnormalize(g[..., nd - 1 - j], sizes[j], align_corners, vec) for j in range(nd)]
     if interpolation_mode == _BICUBIC:
+        # (2-d only) four rows interpolated along W, then those four along H, as ATen's vectorized kernel.
         base = [jnp.floor(c) for c in coords]
-        weights = [_cubic(c - b) for c, b in zip(coords, base)]
+        wy, wx = (_cubic(c - b) for c, b in zip(coords, base))
+        cols = [jnp.trunc(_pad_coordinates(base[1] - 1 + k, sizes[1], padding_mode, align_corners, vec))
+                for k in range(4)]
         out = 0
-        for taps in itertools.product(range(4), repeat=nd):
-            idx, w = [], 1
-            for j, k in enumerate(taps):
-                pos = _pad_coordinates(base[j] - 1 + k, sizes[j], padding_mode, align_corners, vec)
-                idx.append(jnp.trunc(pos))
-                w = w * weights[j][k]
-            out = out + _gather(x, idx) * w[:, None]
+        for i in range(4):
+            row = jnp.trunc(_pad_coordinates(base[0] - 1 + i, sizes[0], padding_mode, align_corners, vec))
+            along = 0
+            for k in range(4):
+                along = along + wx[k][:, None] * _gather(x, [row, cols[k]])
+            out = out + wy[i][:, None] * along
         return out
     coords = [_pad_coordinates(c, s, padding_mode, align_corners, vec) for c, s in zip(coords, sizes)]
     if interpolation_mode == _NEAREST:
