@@ -90,7 +90,7 @@ def _check_pdist(self: Any, p: float) -> None:
     if self.ndim != 2:
         raise RuntimeError(f"pdist only supports 2D tensors, got: {self.ndim}D")
     if not _is_float(self):
-        raise RuntimeError(f"pdist only supports floating-point dtypes")
+        raise RuntimeError("pdist only supports floating-point dtypes")
     if p < 0:
         raise RuntimeError("pdist only supports non-negative p values")
 
