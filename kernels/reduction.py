@@ -3,11 +3,14 @@ arg-reductions return int64 with the first occurrence), keepdim and dim wrapping
 
 from __future__ import annotations
 
+import builtins
+import math
 from typing import Any, Sequence
 
 import torch
 
 from torch_tpu import _runtime
+from torch_tpu._checks import report_bad_index
 from torch_tpu._jax import jax, jnp, lax
 from torch_tpu.kernels._promote import dtype_name, result_dtype
 from torch_tpu.kernels.registry import direct, lower
@@ -642,3 +645,277 @@ def equal(self: torch.Tensor, other: torch.Tensor) -> bool:
     if self.shape != other.shape:
         return False
     return bool(torch.eq(self, other).all().item())
+
+
+builtins_range = builtins.range  # (`range` is an argument name of the histogram ops)
+
+
+# ---- histogram / histogramdd ----
+# Bin counts are static, so every shape is known at trace time; the range defaults to the data's min and max,
+# computed on the device (no host sync). Values are placed by a search in the edges, as ATen's kernel refines
+# its linear estimate, with the last edge inclusive.
+
+
+def _hist_input(self: Any, weight: Any) -> Any:
+    """torch.histogram's input as the (N, 1) rows of a one-dimensional histogramdd."""
+    if not _is_float(self):
+        raise RuntimeError(f'"histogram_cpu" not implemented for \'{_name(self.dtype)}\'')
+    if weight is not None:
+        if weight.dtype != self.dtype:
+            raise RuntimeError("torch.histogramdd: if weight tensor is provided, it should have the same dtype as "
+                               "the input tensor")
+        if weight.shape != self.shape:
+            raise RuntimeError(f"torch.histogram: if weight tensor is provided it should have the same shape as "
+                               f"the input tensor, but got input with shape {list(self.shape)} and weight with "
+                               f"shape {list(weight.shape)}")
+    return self.reshape(-1, 1)
+
+
+def _hist_edges(x: Any, bins: Sequence[int], range: Sequence[float] | None) -> list[Any]:
+    """The bin edges of each dim: linspace(min, max, bins + 1) over `range` or the data's extent."""
+    dims = len(bins)
+    for d, b in enumerate(bins):
+        if b <= 0:
+            raise RuntimeError(f"torch.histogramdd(): bins must be > 0, but got {b} for dimension {d}")
+    if range is not None:
+        if len(range) != 2 * dims:
+            raise RuntimeError(f"torch.histogramdd: for a {dims}-dimensional histogram range should have "
+                               f"{2 * dims} elements, but got {len(range)}")
+        for d in builtins_range(dims):
+            lo, hi = range[2 * d], range[2 * d + 1]
+            if not (math.isfinite(lo) and math.isfinite(hi)):
+                raise RuntimeError(f"torch.histogramdd: dimension {d}'s range [{lo}, {hi}] is not finite")
+            if lo > hi:
+                raise RuntimeError(f"torch.histogramdd: min should not exceed max, but got min {lo} max {hi} for "
+                                   f"dimension {d}")
+    edges = []
+    for d, b in enumerate(bins):
+        if range is not None:
+            lo, hi = jnp.asarray(range[2 * d], jnp.float64), jnp.asarray(range[2 * d + 1], jnp.float64)
+        elif x.shape[0]:
+            lo, hi = jnp.min(x[:, d]).astype(jnp.float64), jnp.max(x[:, d]).astype(jnp.float64)
+        else:  # no data and no range: ATen's default extent [0, 1]
+            lo, hi = jnp.zeros((), jnp.float64), jnp.ones((), jnp.float64)
+        same = lo == hi
+        lo, hi = jnp.where(same, lo - 0.5, lo), jnp.where(same, hi + 0.5, hi)
+        # ATen's linspace: from the start for the first half of the points, from the end for the rest.
+        i = jnp.arange(b + 1, dtype=jnp.float64)
+        step = (hi - lo) / b
+        e = jnp.where(i < (b + 1) // 2, lo + i * step, hi - (b - i) * step)
+        edges.append(e.astype(x.dtype))
+    return edges
+
+
+def _hist_counts(x: Any, edges: Sequence[Any], weight: Any, density: bool) -> Any:
+    """The (weighted) count of the rows of x (N, D) in each cell of the D edge arrays."""
+    dims = len(edges)
+    shape = tuple(e.shape[0] - 1 for e in edges)
+    keep = jnp.ones((x.shape[0],), bool)
+    flat = jnp.zeros((x.shape[0],), jnp.int32)
+    acc = _opmath(x).dtype
+    for d, e in enumerate(edges):
+        v = x[:, d]
+        n_bins = e.shape[0] - 1
+        pos = jnp.searchsorted(e, v, side="right").astype(jnp.int32) - 1
+        pos = jnp.where(v == e[-1], n_bins - 1, pos)
+        keep = keep & (v >= e[0]) & (v <= e[-1])
+        flat = flat * n_bins + jnp.clip(pos, 0, n_bins - 1)
+    w = jnp.ones((x.shape[0],), acc) if weight is None else _opmath(weight).reshape(-1).astype(acc)
+    hist = jnp.zeros((math.prod(shape),), acc).at[flat].add(jnp.where(keep, w, 0)).reshape(shape)
+    if density:
+        hist = hist / jnp.sum(hist)
+        for d, e in enumerate(edges):
+            widths = jnp.diff(e.astype(acc))
+            hist = hist / widths.reshape(tuple(-1 if j == d else 1 for j in builtins_range(dims)))
+    return hist.astype(x.dtype)
+
+
+@lower("histogram.bin_ct")
+def histogram_bin_ct(self: Any, bins: int = 100, range: Sequence[float] | None = None, weight: Any = None,
+                     density: bool = False) -> tuple[Any, Any]:
+    x = _hist_input(self, weight)
+    edges = _hist_edges(x, (bins,), range)
+    return _hist_counts(x, edges, weight, density), edges[0]
+
+
+@lower("histogram.bins_tensor")
+def histogram_bins_tensor(self: Any, bins: Any, weight: Any = None, density: bool = False) -> tuple[Any, Any]:
+    x = _hist_input(self, weight)
+    if bins.ndim != 1 or bins.shape[0] < 1:
+        raise RuntimeError(f"torch.histogramdd: bins tensor should have one dimension and at least 1 element, "
+                           f"but got {bins.ndim} dimensions and {bins.size} elements")
+    if bins.dtype != self.dtype:
+        raise RuntimeError("torch.histogramdd: input tensor and bins tensors should have the same dtype, but got "
+                           f"input {_name(self.dtype)} and bins {_name(bins.dtype)}")
+    return _hist_counts(x, [bins], weight, density), bins
+
+
+def _dd_input(self: Any, dims: int, weight: Any) -> Any:
+    if not _is_float(self):
+        raise RuntimeError(f'"histogramdd" not implemented for \'{_name(self.dtype)}\'')
+    if self.ndim < 2 or self.shape[-1] != dims:
+        raise RuntimeError(f"torch.histogramdd: expected input to have shape (*, {dims}) but got {list(self.shape)}"
+                           if self.ndim >= 1 else "torch.histogramdd: input tensor should have at least 2 "
+                           "dimensions")
+    if weight is not None and weight.size != math.prod(self.shape[:-1]):
+        raise RuntimeError("torch.histogramdd: if weight tensor is provided it should have the same shape as the "
+                           "input tensor excluding its innermost dimension")
+    return self.reshape(-1, dims)
+
+
+@lower("_histogramdd_bin_edges")
+def histogramdd_bin_edges(self: Any, bins: Sequence[int], range: Sequence[float] | None = None,
+                          weight: Any = None, density: bool = False) -> list[Any]:
+    return _hist_edges(_dd_input(self, len(bins), weight), tuple(bins), range)
+
+
+@lower("_histogramdd_from_bin_cts")
+def histogramdd_from_bin_cts(self: Any, bins: Sequence[int], range: Sequence[float] | None = None,
+                             weight: Any = None, density: bool = False) -> Any:
+    x = _dd_input(self, len(bins), weight)
+    return _hist_counts(x, _hist_edges(x, tuple(bins), range), weight, density)
+
+
+@lower("_histogramdd_from_bin_tensors")
+def histogramdd_from_bin_tensors(self: Any, bins: Sequence[Any], weight: Any = None, density: bool = False) -> Any:
+    x = _dd_input(self, len(bins), weight)
+    for b in bins:
+        if b.ndim != 1 or b.shape[0] < 1:
+            raise RuntimeError("torch.histogramdd: bins tensors should have one dimension and at least 1 element")
+    return _hist_counts(x, list(bins), weight, density)
+
+
+# ---- segment_reduce ----
+# Segments along `axis` are given by lengths (..., S) or offsets (..., S + 1) whose leading dims are data's dims
+# before `axis`. Each element's segment is found on the device (searchsorted in the offsets), so the output
+# shape, (..., S, ...), is static. Empty segments give `initial`, or CPU's identity (nan for mean).
+
+_SEGMENT_REDUCTIONS = ("sum", "mean", "max", "min", "prod")
+
+
+def _segment_layout(name: str, data: Any, reduce: str, lengths: Any, offsets: Any, axis: int) -> tuple:
+    """(data as (B, L, R), offsets as (B, S + 1), S, output shape)."""
+    if reduce not in _SEGMENT_REDUCTIONS:
+        raise RuntimeError(f"{name}: reduce argument must be either sum, prod, max, min or mean, got {reduce}")
+    if (lengths is None) == (offsets is None):
+        raise RuntimeError(f"{name}: Either lengths or offsets must be defined" if lengths is None else
+                           f"{name}: only one of lengths and offsets may be given")
+    axis = _wrap_dim(axis, data.ndim)
+    seg = lengths if lengths is not None else offsets
+    if seg.ndim != axis + 1 or tuple(seg.shape[:axis]) != tuple(data.shape[:axis]):
+        raise RuntimeError(f"{name}: Expected {'lengths' if lengths is not None else 'offsets'} to have shape "
+                           f"{list(data.shape[:axis])} + [S], with axis = {axis} the last dim, but got "
+                           f"{list(seg.shape)}")
+    if not jnp.issubdtype(seg.dtype, jnp.integer):
+        raise RuntimeError(f"{name}: lengths and offsets must be integer tensors, got {_name(seg.dtype)}")
+    b = math.prod(data.shape[:axis])
+    size = data.shape[axis]
+    seg = seg.reshape(b, seg.shape[-1])
+    if lengths is not None:
+        offs = jnp.concatenate([jnp.zeros((b, 1), seg.dtype), jnp.cumsum(seg, axis=1)], axis=1)
+    else:
+        offs = seg
+    s = offs.shape[1] - 1
+    out_shape = tuple(data.shape[:axis]) + (s,) + tuple(data.shape[axis + 1:])
+    return data.reshape(b, size, -1), offs, s, out_shape
+
+
+def _segment_ids(offs: Any, size: int) -> Any:
+    """The segment of each position along the axis, per leading row (S for positions past the last segment)."""
+    pos = jnp.arange(size, dtype=offs.dtype)
+    return jax.vmap(lambda o: jnp.searchsorted(o[1:], pos, side="right"))(offs)
+
+
+def _segment_initial(reduce: str, initial: Any, dtype: Any) -> Any:
+    if initial is not None:
+        return jnp.asarray(initial).astype(dtype)
+    if reduce in ("sum", "mean"):
+        return jnp.zeros((), dtype)
+    if reduce == "prod":
+        return jnp.ones((), dtype)
+    return jnp.asarray(-jnp.inf if reduce == "max" else jnp.inf, dtype)
+
+
+@lower("segment_reduce", checks=True)
+def segment_reduce(data: Any, reduce: str, lengths: Any = None, indices: Any = None, offsets: Any = None,
+                   axis: int = 0, unsafe: bool = False, initial: Any = None) -> Any:
+    if indices is not None:
+        raise NotImplementedError("segment_reduce(): indices based reduction is not supported yet (as on CPU)")
+    x, offs, s, out_shape = _segment_layout("segment_reduce", data, reduce, lengths, offsets, axis)
+    size = x.shape[1]
+    if not unsafe and lengths is not None:
+        # Value checks on the device (raised at the next sync): lengths >= 0 and each row sums to the axis size.
+        report_bad_index("segment_reduce", lengths, size + 1, error=RuntimeError,
+                         message="{op}: lengths contains negative value! (found {value})")
+        report_bad_index("segment_reduce", offs[:, -1] - size, 1, error=RuntimeError,
+                         message="{op}: Expected all rows of lengths along axis to sum to data.size(lengths.dim()-1) "
+                                 "when !unsafe.")
+    ids = _segment_ids(offs, size)
+    v = _opmath(x)
+    init = _segment_initial(reduce, initial, v.dtype)
+
+    def one(vb: Any, ib: Any) -> Any:
+        if reduce in ("sum", "mean"):
+            r = jax.ops.segment_sum(vb, ib, s + 1)[:s]
+        elif reduce == "prod":
+            r = jax.ops.segment_prod(vb, ib, s + 1)[:s]
+        else:
+            op = jax.ops.segment_max if reduce == "max" else jax.ops.segment_min
+            r = op(vb, ib, s + 1)[:s]
+            nan = jax.ops.segment_sum(jnp.isnan(vb).astype(jnp.int32), ib, s + 1)[:s] > 0
+            r = jnp.where(nan, jnp.nan, r)
+        return r
+
+    r = jax.vmap(one)(v, ids)
+    counts = (offs[:, 1:] - offs[:, :-1])[..., None]
+    if reduce in ("sum", "mean"):
+        r = r + init
+    elif reduce == "prod":
+        r = r * init
+    elif reduce == "max":
+        r = jnp.where(jnp.isnan(r), r, jnp.maximum(r, init))
+    else:
+        r = jnp.where(jnp.isnan(r), r, jnp.minimum(r, init))
+    if reduce == "mean":
+        r = jnp.where(counts > 0, r / jnp.maximum(counts, 1).astype(r.dtype),
+                      init if initial is not None else jnp.nan)
+    return r.reshape(out_shape).astype(data.dtype)
+
+
+@lower("_segment_reduce_backward")
+def segment_reduce_backward(grad: Any, output: Any, data: Any, reduce: str, lengths: Any = None,
+                            offsets: Any = None, axis: int = 0, initial: Any = None) -> Any:
+    """CPU's gradient: sum copies grad, mean divides it by the length, max / min share it equally among the
+    elements equal to the result (nan included), prod is output / x, or the product of the others where x is 0
+    or nan."""
+    x, offs, s, _ = _segment_layout("_segment_reduce_backward", data, reduce, lengths, offsets, axis)
+    b, size, rest = x.shape
+    ids = _segment_ids(offs, size)
+    v = _opmath(x)
+    g = _opmath(grad).reshape(b, s, rest)
+    out = _opmath(output).reshape(b, s, rest)
+    safe = jnp.minimum(ids, max(s - 1, 0))
+    live = (ids < s)[..., None]
+    take = jax.vmap(lambda a, i: a[i])
+    g_at, out_at = take(g, safe), take(out, safe)
+    if reduce == "sum":
+        r = g_at
+    elif reduce == "mean":
+        counts = (offs[:, 1:] - offs[:, :-1]).astype(v.dtype)[..., None]
+        r = g_at / take(jnp.maximum(counts, 1), safe)
+    elif reduce in ("max", "min"):
+        hit = (v == out_at) | (jnp.isnan(v) & jnp.isnan(out_at))
+        n_hit = jax.vmap(lambda h, i: jax.ops.segment_sum(h, i, s + 1)[:s])(hit.astype(v.dtype), ids)
+        r = jnp.where(hit, g_at / jnp.maximum(take(n_hit, safe), 1), 0)
+    else:
+        special = (v == 0) | jnp.isnan(v)
+        seg_sum = lambda a: jax.vmap(lambda ab, i: jax.ops.segment_sum(ab, i, s + 1)[:s])(a, ids)  # noqa: E731
+        prod_rest = jax.vmap(lambda ab, i: jax.ops.segment_prod(ab, i, s + 1)[:s])(jnp.where(special, 1, v), ids)
+        prod_rest = prod_rest * _segment_initial("prod", initial, v.dtype)
+        n_nan, n_zero = seg_sum(jnp.isnan(v).astype(v.dtype)), seg_sum((v == 0).astype(v.dtype))
+        other_nan = take(n_nan, safe) - jnp.isnan(v)
+        other_zero = take(n_zero, safe) - (v == 0)
+        others = jnp.where(other_nan > 0, jnp.nan, jnp.where(other_zero > 0, 0, take(prod_rest, safe)))
+        r = jnp.where(special, g_at * others, g_at * out_at / jnp.where(special, 1, v))
+    r = jnp.where(live, r, 0)
+    return r.reshape(data.shape).astype(data.dtype)

@@ -9,7 +9,8 @@ undefined tensor (an output masked off by `output_mask`), these kernels return z
 registry has no way to return an undefined tensor, and autograd drops those outputs.
 
 One module per family: conv, pooling (with im2col / col2im and channel_shuffle), normalization, softmax,
-activation, loss, embedding (the embedding's backward), upsample, dropout and rnn (fused LSTM / GRU cells); the
+activation, loss, embedding (the embedding's backward, embedding_bag), upsample, sampling (grid_sample),
+distance (cdist, pdist), dropout and rnn (fused LSTM / GRU cells); the
 helpers they share are in _common. Importing this package imports every family module, which registers its
 lowerings: a new family module is added to the imports below.
 """
@@ -24,6 +25,8 @@ from torch_tpu.kernels.nn import (  # noqa: F401  (imported for their registrati
     loss,
     embedding,
     upsample,
+    sampling,
+    distance,
     dropout,
     rnn,
 )
@@ -38,5 +41,7 @@ from torch_tpu.kernels.nn.activation import *  # noqa: E402,F401,F403
 from torch_tpu.kernels.nn.loss import *  # noqa: E402,F401,F403
 from torch_tpu.kernels.nn.embedding import *  # noqa: E402,F401,F403
 from torch_tpu.kernels.nn.upsample import *  # noqa: E402,F401,F403
+from torch_tpu.kernels.nn.sampling import *  # noqa: E402,F401,F403
+from torch_tpu.kernels.nn.distance import *  # noqa: E402,F401,F403
 from torch_tpu.kernels.nn.dropout import *  # noqa: E402,F401,F403
 from torch_tpu.kernels.nn.rnn import *  # noqa: E402,F401,F403

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
-from torch_tpu import _runtime
+import torch
+
+from torch_tpu import _executor, _runtime, _storage
 from torch_tpu._jax import jax, jnp, lax
+from torch_tpu._rng import draw as _philox, key as _rng_key
+from torch_tpu.kernels._promote import wrap_arrays
 from torch_tpu.kernels.nn._common import _as, _is_float, _opmath
-from torch_tpu.kernels.registry import lower
+from torch_tpu.kernels.registry import direct, lower
 
 
 # ---- activations ----
@@ -263,3 +268,74 @@ def softshrink_backward(grad_output: Any, self: Any, lambd: Any) -> Any:
 @lower("hardshrink_backward")
 def hardshrink_backward(grad_out: Any, self: Any, lambd: Any) -> Any:
     return jnp.where((self >= -lambd) & (self <= lambd), jnp.zeros((), grad_out.dtype), grad_out)
+
+
+# ---- rrelu ----
+# Training draws each negative element's slope from U(lower, upper) with the tpu generator (Philox, like
+# dropout) and writes it to `noise` (1 for the others), as ATen's kernel does; eval is leaky_relu with the mean
+# slope and leaves noise alone.
+
+
+@functools.lru_cache(maxsize=64)
+def _rrelu_train_fn() -> Any:
+    def run(x: Any, lower: Any, upper: Any, seed: Any, offset: Any) -> tuple[Any, Any]:
+        v = _opmath(x)
+        r = jax.random.uniform(_rng_key(seed, offset), x.shape, jnp.float32)
+        r = (lower + (upper - lower) * r).astype(v.dtype)
+        neg = v <= 0
+        return jnp.where(neg, v * r, v).astype(x.dtype), jnp.where(neg, r, 1).astype(x.dtype)
+
+    return _executor.jitted(run, key="rrelu_train")
+
+
+@functools.lru_cache(maxsize=16)
+def _rrelu_eval_fn() -> Any:
+    def run(x: Any, lower: Any, upper: Any) -> Any:
+        v = _opmath(x)
+        return jnp.where(v > 0, v, v * ((lower + upper) / 2)).astype(x.dtype)
+
+    return _executor.jitted(run, key="rrelu_eval")
+
+
+def _rrelu(self: torch.Tensor, noise: torch.Tensor, lower: Any, upper: Any, training: bool,
+           generator: Any) -> torch.Tensor:
+    if not self.is_floating_point():
+        raise RuntimeError(f"\"rrelu_with_noise_cpu\" not implemented for '{self.dtype}'")
+    lo, hi = float(lower), float(upper)
+    if hi < lo:
+        raise RuntimeError(f"Lower bound should be less than or equal to the upper bound, got lower={lo} and "
+                           f"upper={hi}")
+    x = _storage.read(self)
+    if training:
+        if noise.shape != self.shape:
+            raise RuntimeError(f"rrelu_with_noise: noise of shape {list(noise.shape)} does not match the input's "
+                               f"shape {list(self.shape)}")
+        seed, offset = _philox(generator, self)
+        out, r = _rrelu_train_fn()(x, jnp.float32(lo), jnp.float32(hi), seed, offset)
+        _storage.write(noise, r)
+    else:
+        out = _rrelu_eval_fn()(x, jnp.float32(lo), jnp.float32(hi))
+    return out
+
+
+@direct("rrelu_with_noise", defer=True)
+def rrelu_with_noise(self: torch.Tensor, noise: torch.Tensor, lower: Any = 0.125, upper: Any = 1 / 3,
+                     training: bool = False, generator: Any = None) -> torch.Tensor:
+    return wrap_arrays(_rrelu(self, noise, lower, upper, training, generator), self.device.index)
+
+
+@direct("rrelu_with_noise_", defer=True)
+def rrelu_with_noise_(self: torch.Tensor, noise: torch.Tensor, lower: Any = 0.125, upper: Any = 1 / 3,
+                      training: bool = False, generator: Any = None) -> torch.Tensor:
+    _storage.write(self, _rrelu(self, noise, lower, upper, training, generator))
+    return self
+
+
+@lower("rrelu_with_noise_backward")
+def rrelu_with_noise_backward(grad_output: Any, self: Any, noise: Any, lower: Any, upper: Any, training: bool,
+                              self_is_result: bool) -> Any:
+    g = _opmath(grad_output)
+    leaky = jnp.where(_opmath(self) > 0, g, g * ((lower + upper) / 2))
+    if not training:
+        return leaky.astype(grad_output.dtype)
+    return jnp.where(upper - lower > 1e-6, g * _opmath(noise), leaky).astype(grad_output.dtype)

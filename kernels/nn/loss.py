@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from torch_tpu._checks import report_bad_index
-from torch_tpu._jax import jnp
+from torch_tpu._jax import jax, jnp, lax
 from torch_tpu.kernels.nn._common import _grad_scale, _opmath, _reduce
 from torch_tpu.kernels.registry import DEFAULT, lower
 
@@ -206,4 +209,239 @@ def multi_margin_loss_backward(grad_output: Any, self: Any, target: Any, p: Any,
     g = g.reshape(-1, 1) if reduction == 0 else (g / x.shape[0] if reduction == 1 else g)
     d = jnp.where(z > 0, jnp.where(p == 1, 1.0, 2 * z), 0) * w / x.shape[1]
     grad = d - onehot * jnp.sum(d, axis=1, keepdims=True)
+    return (grad * g).reshape(self.shape).astype(self.dtype)
+
+
+# ---- CTC loss ----
+# The forward (alpha) and backward (beta) recursions of Graves et al. in log space, one lax.scan over time each,
+# batched over the samples. Lengths are static (int[]); the .Tensor overloads read them on the host first, as
+# ATen's CPU kernel does, since they decide log_alpha's shape.
+
+
+def _lse(*xs: Any) -> Any:
+    """log(sum(exp(x))) of same-shaped arrays, -inf (not nan) when every term is -inf."""
+    m = functools.reduce(jnp.maximum, xs)
+    safe = jnp.where(jnp.isneginf(m), 0, m)
+    return safe + jnp.log(sum(jnp.exp(x - safe) for x in xs))
+
+
+def _ctc_setup(log_probs: Any, targets: Any, input_lengths: Sequence[int], target_lengths: Sequence[int],
+               blank: int) -> tuple[Any, ...]:
+    """(log-probs of the extended labels (T, N, L), extended labels (N, L), skip-allowed mask (N, L),
+    s valid (N, L)), L = 2 * max target length + 1."""
+    if log_probs.ndim != 3:
+        raise RuntimeError(f"ctc_loss: expected log_probs to be a 3-D (T, N, C) tensor, got {log_probs.ndim}-D")
+    t_max, n, c = log_probs.shape
+    if len(input_lengths) != n:
+        raise RuntimeError(f"input_lengths must be of size batch_size, but got {len(input_lengths)} for batch "
+                           f"size {n}")
+    if len(target_lengths) != n:
+        raise RuntimeError(f"target_lengths must be of size batch_size, but got {len(target_lengths)} for batch "
+                           f"size {n}")
+    if not 0 <= blank < c:
+        raise RuntimeError("blank must be in label range")
+    for i, il in enumerate(input_lengths):
+        if not 0 <= il <= t_max:
+            raise RuntimeError(f"Expected input_lengths to have value at most {t_max}, but got value {il} (while "
+                               f"checking arguments for ctc_loss_cpu)")
+    max_s = max(target_lengths, default=0)
+    tl = np.asarray(target_lengths, np.int64)
+    if targets.ndim == 1:
+        starts = np.concatenate([[0], np.cumsum(tl)[:-1]]).astype(np.int64)
+        if tl.sum() > targets.shape[0]:
+            raise RuntimeError(f"Expected tensor to have size at least {tl.sum()} at dimension 0, but got size "
+                               f"{targets.shape[0]} for argument #2 'targets' (while checking arguments for "
+                               "ctc_loss_cpu)")
+        pos = starts[:, None] + np.minimum(np.arange(max_s)[None, :], np.maximum(tl[:, None] - 1, 0))
+        tgt = targets[np.clip(pos, 0, max(targets.shape[0] - 1, 0))] if targets.shape[0] else \
+            jnp.zeros((n, max_s), targets.dtype)
+    else:
+        if max_s > targets.shape[1]:
+            raise RuntimeError(f"Expected tensor to have size at least {max_s} at dimension 1, but got size "
+                               f"{targets.shape[1]} for argument #2 'targets' (while checking arguments for "
+                               "ctc_loss_cpu)")
+        tgt = targets[:, :max_s]
+    tgt = tgt.astype(jnp.int32).reshape(n, max_s)
+    length = 2 * max_s + 1
+    s = np.arange(length)
+    labels = jnp.full((n, length), blank, jnp.int32)
+    if max_s:
+        labels = labels.at[:, 1::2].set(tgt)
+    prev2 = jnp.concatenate([jnp.full((n, 2), -1, jnp.int32), labels[:, :-2]], axis=1)
+    skip = jnp.asarray(s % 2 == 1)[None, :] & jnp.asarray(s >= 2)[None, :] & (labels != prev2)
+    valid = jnp.asarray(s[None, :] < 2 * tl[:, None] + 1)
+    lp = _opmath(log_probs)
+    lp_ext = jnp.take_along_axis(lp, jnp.broadcast_to(labels[None], (t_max, n, length)), axis=2)
+    return lp, lp_ext, labels, skip, valid
+
+
+def _ctc_alpha(lp_ext: Any, skip: Any, valid: Any, input_lengths: Sequence[int]) -> Any:
+    """log_alpha (T, N, L); rows at t >= input length repeat the last one."""
+    neg = jnp.full(lp_ext.shape[1:], -jnp.inf, lp_ext.dtype)
+    s = jnp.arange(lp_ext.shape[2])
+    alpha0 = jnp.where((s < 2)[None, :] & valid, lp_ext[0], -jnp.inf) if lp_ext.shape[0] else neg
+    il = jnp.asarray(np.asarray(input_lengths, np.int64))
+
+    def step(alpha: Any, inp: tuple[Any, Any]) -> tuple[Any, Any]:
+        t, lpt = inp
+        a1 = jnp.concatenate([neg[:, :1], alpha[:, :-1]], axis=1)
+        a2 = jnp.where(skip, jnp.concatenate([neg[:, :2], alpha[:, :-2]], axis=1), -jnp.inf)
+        new = jnp.where(valid, lpt + _lse(alpha, a1, a2), -jnp.inf)
+        new = jnp.where((t < il)[:, None], new, alpha)
+        return new, new
+
+    if lp_ext.shape[0] <= 1:
+        return alpha0[None][: lp_ext.shape[0]]
+    ts = jnp.arange(1, lp_ext.shape[0])
+    _, rest = lax.scan(step, alpha0, (ts, lp_ext[1:]))
+    return jnp.concatenate([alpha0[None], rest], axis=0)
+
+
+def _ctc_nll(alpha_last: Any, target_lengths: Sequence[int]) -> Any:
+    tl = jnp.asarray(np.asarray(target_lengths, np.int64))
+    end = jnp.take_along_axis(alpha_last, (2 * tl)[:, None], axis=1)[:, 0]
+    before = jnp.take_along_axis(alpha_last, jnp.maximum(2 * tl - 1, 0)[:, None], axis=1)[:, 0]
+    return -_lse(end, jnp.where(tl > 0, before, -jnp.inf))
+
+
+def _ctc_forward(log_probs: Any, targets: Any, input_lengths: Sequence[int], target_lengths: Sequence[int],
+                 blank: int) -> tuple[Any, Any]:
+    _, lp_ext, _, skip, valid = _ctc_setup(log_probs, targets, input_lengths, target_lengths, blank)
+    alpha = _ctc_alpha(lp_ext, skip, valid, input_lengths)
+    nll = _ctc_nll(alpha[-1], target_lengths) if alpha.shape[0] else jnp.full((lp_ext.shape[1],), jnp.inf)
+    return nll.astype(log_probs.dtype), jnp.transpose(alpha, (1, 0, 2)).astype(log_probs.dtype)
+
+
+def _ctc_backward(grad: Any, log_probs: Any, targets: Any, input_lengths: Sequence[int],
+                  target_lengths: Sequence[int], neg_log_likelihood: Any, log_alpha: Any, blank: int,
+                  zero_infinity: bool) -> Any:
+    """ATen's gradient: exp(lp) - exp(log(sum over s labelled c of alpha beta) + nll - lp) per (t, n, c), times
+    grad; 0 for t >= input length (it is the gradient of the logits under log_softmax, as on CPU and CUDA)."""
+    lp, lp_ext, labels, skip, valid = _ctc_setup(log_probs, targets, input_lengths, target_lengths, blank)
+    t_max, n, length = lp_ext.shape
+    il = jnp.asarray(np.asarray(input_lengths, np.int64))
+    tl = jnp.asarray(np.asarray(target_lengths, np.int64))
+    s = jnp.arange(length)
+    init = jnp.where(((s[None, :] == 2 * tl[:, None]) | ((s[None, :] == 2 * tl[:, None] - 1) & (tl[:, None] > 0)))
+                     & valid, 0.0, -jnp.inf)
+    neg = jnp.full((n, length), -jnp.inf, lp_ext.dtype)
+    skip_next = jnp.concatenate([skip[:, 2:], jnp.zeros((n, 2), bool)], axis=1)  # s -> s + 2 allowed
+
+    def step(beta: Any, inp: tuple[Any, Any]) -> tuple[Any, Any]:
+        t, lpt = inp
+        b1 = jnp.concatenate([beta[:, 1:], neg[:, :1]], axis=1)
+        b2 = jnp.where(skip_next, jnp.concatenate([beta[:, 2:], neg[:, :2]], axis=1), -jnp.inf)
+        rec = jnp.where(valid, lpt + _lse(beta, b1, b2), -jnp.inf)
+        new = jnp.where((t == il - 1)[:, None], lpt + init, jnp.where((t < il - 1)[:, None], rec, -jnp.inf))
+        return new, new
+
+    _, beta = lax.scan(step, neg, (jnp.arange(t_max), lp_ext), reverse=True)
+    alpha = jnp.transpose(_opmath(log_alpha), (1, 0, 2))
+    nll = _opmath(neg_log_likelihood)
+    occupancy = jnp.exp(alpha + beta + nll[None, :, None] - lp_ext)  # (T, N, L)
+    occupancy = jnp.where(valid[None], occupancy, 0)
+    tt, nn = np.meshgrid(np.arange(t_max), np.arange(n), indexing="ij")
+    per_class = jnp.zeros(lp.shape, lp.dtype).at[tt[..., None], nn[..., None], labels[None]].add(occupancy)
+    g = (jnp.exp(lp) - per_class) * _opmath(grad)[None, :, None]
+    live = jnp.arange(t_max)[:, None] < il[None, :]
+    if zero_infinity:
+        live = live & ~jnp.isinf(nll)[None, :]
+    return jnp.where(live[..., None], g, 0).astype(log_probs.dtype)
+
+
+@lower("_ctc_loss")
+def ctc_loss(log_probs: Any, targets: Any, input_lengths: Sequence[int], target_lengths: Sequence[int],
+             blank: int = 0, zero_infinity: bool = False) -> tuple[Any, Any]:
+    """(negative log likelihood (N,), log_alpha (N, T, 2 max(target_lengths) + 1)); zero_infinity is applied
+    by ATen's composite ctc_loss around this op."""
+    return _ctc_forward(log_probs, targets, tuple(input_lengths), tuple(target_lengths), blank)
+
+
+@lower("_ctc_loss_backward")
+def ctc_loss_backward(grad: Any, log_probs: Any, targets: Any, input_lengths: Sequence[int],
+                      target_lengths: Sequence[int], neg_log_likelihood: Any, log_alpha: Any, blank: int,
+                      zero_infinity: bool = False) -> Any:
+    return _ctc_backward(grad, log_probs, targets, tuple(input_lengths), tuple(target_lengths), neg_log_likelihood,
+                         log_alpha, blank, zero_infinity)
+
+
+def _host_lengths(name: str, lengths: Any) -> tuple[int, ...]:
+    """Length tensors read on the host (a sync: they decide log_alpha's shape, as in ATen's CPU kernel)."""
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise RuntimeError(f"{name} must be integral")
+    return tuple(int(v) for v in np.asarray(jax.device_get(lengths)).reshape(-1))
+
+
+@functools.lru_cache(maxsize=64)
+def _ctc_jit(kind: str, input_lengths: tuple[int, ...], target_lengths: tuple[int, ...], blank: int,
+             zero_infinity: bool) -> Callable[..., Any]:
+    if kind == "forward":
+        return jax.jit(lambda lp, tg: _ctc_forward(lp, tg, input_lengths, target_lengths, blank))
+    return jax.jit(lambda g, lp, tg, nll, la: _ctc_backward(g, lp, tg, input_lengths, target_lengths, nll, la, blank,
+                                                            zero_infinity))
+
+
+@lower("_ctc_loss.Tensor", jit=False)
+def ctc_loss_tensor(log_probs: Any, targets: Any, input_lengths: Any, target_lengths: Any, blank: int = 0,
+                    zero_infinity: bool = False) -> tuple[Any, Any]:
+    il = _host_lengths("input_lengths", input_lengths)
+    tl = _host_lengths("target_lengths", target_lengths)
+    return _ctc_jit("forward", il, tl, blank, False)(log_probs, targets)
+
+
+@lower("_ctc_loss_backward.Tensor", jit=False)
+def ctc_loss_backward_tensor(grad: Any, log_probs: Any, targets: Any, input_lengths: Any, target_lengths: Any,
+                             neg_log_likelihood: Any, log_alpha: Any, blank: int,
+                             zero_infinity: bool = False) -> Any:
+    il = _host_lengths("input_lengths", input_lengths)
+    tl = _host_lengths("target_lengths", target_lengths)
+    return _ctc_jit("backward", il, tl, blank, zero_infinity)(grad, log_probs, targets, neg_log_likelihood,
+                                                              log_alpha)
+
+
+# ---- multilabel margin loss ----
+
+
+def _multilabel_terms(self: Any, target: Any) -> tuple[Any, Any, Any, Any]:
+    """(x (N, C), hinge terms (N, K, C) masked to valid targets k and non-target classes, is_target (N, C), N)."""
+    if self.ndim > 2 or target.shape != self.shape:
+        raise RuntimeError(f"multilabel_margin_loss: inconsistent target size: {list(target.shape)} for input of "
+                           f"size: {list(self.shape)}")
+    x = _opmath(self).reshape(-1, self.shape[-1] if self.ndim else 1)
+    t = target.reshape(x.shape).astype(jnp.int32)
+    valid = jnp.cumprod((t != -1).astype(jnp.int32), axis=1).astype(bool)  # targets end at the first -1
+    ts = jnp.where(valid, t, 0)
+    classes = jnp.arange(x.shape[1])
+    is_target = jnp.any(valid[:, :, None] & (ts[:, :, None] == classes[None, None, :]), axis=1)
+    picked = jnp.take_along_axis(x, ts, axis=1)  # (N, K)
+    z = 1 - picked[:, :, None] + x[:, None, :]
+    z = jnp.where(valid[:, :, None] & ~is_target[:, None, :] & (z > 0), z, 0)
+    return x, z, is_target, ts
+
+
+@lower("multilabel_margin_loss_forward", checks=True)
+def multilabel_margin_loss_forward(self: Any, target: Any, reduction: int) -> tuple[Any, Any]:
+    """(loss, is_target): per sample, the hinge 1 - (x[y] - x[i]) over its targets y (up to the first -1) and
+    the classes i that are not targets, divided by the number of classes."""
+    n_classes = self.shape[-1] if self.ndim else 1
+    live = jnp.cumprod((target.reshape(-1, n_classes) != -1).astype(jnp.int32), axis=1).astype(bool)
+    report_bad_index("multilabel_margin_loss", jnp.where(live, target.reshape(live.shape), 0), n_classes,
+                     error=RuntimeError, message="{op}: target index out of bounds: {value} with {size} classes")
+    x, z, is_target, _ = _multilabel_terms(self, target)
+    per = jnp.sum(z, axis=(1, 2)) / x.shape[1]
+    if reduction == 0 and self.ndim <= 1:
+        per = per.reshape(())
+    return _reduce(per, reduction).astype(self.dtype), is_target.reshape(self.shape).astype(self.dtype)
+
+
+@lower("multilabel_margin_loss_backward")
+def multilabel_margin_loss_backward(grad_output: Any, self: Any, target: Any, reduction: int,
+                                    is_target: Any) -> Any:
+    x, z, _, ts = _multilabel_terms(self, target)
+    active = (z > 0).astype(x.dtype) / x.shape[1]  # (N, K, C)
+    grad = jnp.sum(active, axis=1)  # + for the non-target class i
+    down = jnp.sum(active, axis=2)  # - for the target y_k
+    grad = grad - jnp.zeros_like(x).at[jnp.arange(x.shape[0])[:, None], ts].add(down)
+    g = _opmath(grad_output)
+    g = g.reshape(-1, 1) if reduction == 0 else (g / x.shape[0] if reduction == 1 else g)
     return (grad * g).reshape(self.shape).astype(self.dtype)

@@ -346,3 +346,84 @@ def channel_shuffle(self: Any, groups: int) -> Any:
         raise RuntimeError(f"Number of channels must be divisible by groups. Got {c} channels and {groups} groups.")
     rest = self.shape[2:]
     return self.reshape((n, groups, c // groups) + rest).swapaxes(1, 2).reshape(self.shape)
+
+
+# ---- fractional max pooling ----
+# The windows' starts come from random_samples (one sample in [0, 1) per plane and dim, drawn by the caller:
+# F.fractional_max_pool*d draws them with the device generator), computed as ATen's generate_intervals does, in
+# the input's dtype; the windows are then gathered per plane.
+
+
+def _fractional_starts(sample: Any, in_size: int, out_size: int, pool: int) -> Any:
+    """Window starts (planes, out_size) of ATen's generate_intervals, in the samples' dtype."""
+    dt = sample.dtype
+    starts = [jnp.full(sample.shape, in_size - pool, jnp.int64)] if out_size > 0 else []
+    if out_size > 1:
+        alpha = jnp.asarray(in_size - pool, dt) / jnp.asarray(out_size - 1, dt)
+        i = jnp.arange(out_size - 1).astype(dt)
+        seq = ((i[None, :] + sample[:, None]) * alpha).astype(jnp.int64) - (sample * alpha).astype(jnp.int64)[:, None]
+        return jnp.concatenate([seq, starts[0][:, None]], axis=1)
+    return starts[0][:, None] if starts else jnp.zeros(sample.shape + (0,), jnp.int64)
+
+
+def _fractional_max_pool(name: str, nd: int) -> Callable[..., tuple[Any, Any]]:
+    def forward(self: Any, kernel_size: Sequence[int], output_size: Sequence[int],
+                random_samples: Any) -> tuple[Any, Any]:
+        if self.ndim not in (nd + 1, nd + 2):
+            raise RuntimeError(f"{name}(): Expected {nd + 1}D or {nd + 2}D tensor, but got: {list(self.shape)}")
+        k, out = _expand(kernel_size, nd), _expand(output_size, nd)
+        sizes = self.shape[-nd:]
+        dims = ("time", "height", "width")[3 - nd:]
+        for j in range(nd):
+            if out[j] + k[j] - 1 > sizes[j]:
+                raise RuntimeError(f"{name}(): pool {dims[j]} {k[j]} too large relative to input {dims[j]} "
+                                   f"{sizes[j]}")
+        lead = self.shape[: self.ndim - nd]
+        planes = math.prod(lead)
+        if random_samples.ndim != 3 or random_samples.shape[-1] != nd or \
+                random_samples.shape[0] * random_samples.shape[1] < planes:
+            raise RuntimeError(f"{name}(): expected random_samples of shape (N, C, {nd}) matching the input "
+                               f"{list(self.shape)}, but got {list(random_samples.shape)}")
+        samples = random_samples.astype(self.dtype).reshape(-1, nd)[:planes]
+        # Samples are ordered (W, H) in 2-d and (T, H, W) in 3-d, as in ATen's kernels.
+        order = (1, 0) if nd == 2 else (0, 1, 2)
+        flat = jnp.zeros((planes,) + (1,) * (2 * nd), jnp.int64)
+        stride = 1
+        for j in reversed(range(nd)):
+            starts = _fractional_starts(samples[:, order[j]], sizes[j], out[j], k[j])  # (P, out_j)
+            idx = starts[:, :, None] + jnp.arange(k[j])[None, None, :]
+            shape = [planes] + [1] * (2 * nd)
+            shape[1 + j], shape[1 + nd + j] = out[j], k[j]
+            flat = flat + idx.reshape(shape) * stride
+            stride *= sizes[j]
+        flat = jnp.broadcast_to(flat, (planes,) + tuple(out) + tuple(k))
+        flat = flat.reshape(planes, math.prod(out), math.prod(k))
+        x = self.reshape(planes, math.prod(sizes))
+        vals = jnp.take_along_axis(x, flat.reshape(planes, flat.shape[1] * flat.shape[2]), axis=1).reshape(flat.shape)
+        arg = jnp.argmax(vals, axis=-1)[..., None]  # the first max; a NaN wins
+        value = jnp.take_along_axis(vals, arg, axis=-1)[..., 0]
+        index = jnp.take_along_axis(flat, arg, axis=-1)[..., 0]
+        shape = tuple(lead) + tuple(out)
+        return value.reshape(shape), index.reshape(shape)
+
+    return forward
+
+
+lower("fractional_max_pool2d")(_fractional_max_pool("fractional_max_pool2d", 2))
+lower("fractional_max_pool3d")(_fractional_max_pool("fractional_max_pool3d", 3))
+
+
+@lower("fractional_max_pool2d_backward")
+def fractional_max_pool2d_backward(grad_output: Any, self: Any, kernel_size: Any, output_size: Any,
+                                   indices: Any) -> Any:
+    if self.size == 0:
+        return jnp.zeros(self.shape, self.dtype)
+    return _max_pool_backward(grad_output, self, indices, 2)
+
+
+@lower("fractional_max_pool3d_backward")
+def fractional_max_pool3d_backward(grad_output: Any, self: Any, kernel_size: Any, output_size: Any,
+                                   indices: Any) -> Any:
+    if self.size == 0:
+        return jnp.zeros(self.shape, self.dtype)
+    return _max_pool_backward(grad_output, self, indices, 3)

@@ -3,6 +3,7 @@ of the forward lowering)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -171,3 +172,56 @@ _interp_ops("upsample_linear1d", 1, cubic=False)
 _interp_ops("upsample_bilinear2d", 2, cubic=False)
 _interp_ops("upsample_trilinear3d", 3, cubic=False)
 _interp_ops("upsample_bicubic2d", 2, cubic=True)
+
+
+# ---- antialiased bilinear (F.interpolate(..., antialias=True)) ----
+
+
+def _aa_weights(in_size: int, out_size: int, align_corners: bool, scale: float | None) -> np.ndarray:
+    """The (out, in) matrix of ATen's antialiased linear interpolation: a triangle filter stretched by the scale
+    when downsampling, each row normalized to sum 1 (UpSampleKernel.cpp, _compute_weights_aa)."""
+    if align_corners:
+        s = (in_size - 1) / (out_size - 1) if out_size > 1 else 0.0
+    else:
+        s = float(_scale_value(scale, in_size, out_size))
+    support = s if s >= 1.0 else 1.0  # interp_size / 2 = 1, times the scale when downsampling
+    invscale = 1.0 / s if s >= 1.0 else 1.0
+    max_size = int(math.ceil(support)) * 2 + 1
+    m = np.zeros((out_size, in_size), np.float64)
+    for i in range(out_size):
+        center = s * (i + 0.5)
+        lo = max(int(center - support + 0.5), 0)
+        n = min(max(min(int(center + support + 0.5), in_size) - lo, 0), max_size)
+        j = np.arange(n)
+        w = np.maximum(1 - np.abs((j + lo - center + 0.5) * invscale), 0)
+        total = w.sum()
+        if total != 0:
+            w = w / total
+        m[i, lo:lo + n] = w
+    return m
+
+
+def _upsample_aa(x: Any, output_size: Sequence[int], align_corners: bool, scales: Sequence[float | None]) -> Any:
+    v = _opmath(x)
+    (oh, ow), (sh, sw) = output_size, scales
+    wh = jnp.asarray(_aa_weights(x.shape[-2], oh, align_corners, sh), v.dtype)
+    ww = jnp.asarray(_aa_weights(x.shape[-1], ow, align_corners, sw), v.dtype)
+    hi = jax.lax.Precision.HIGHEST
+    v = jnp.einsum("...hw,ow->...ho", v, ww, precision=hi)
+    return jnp.einsum("...hw,oh->...ow", v, wh, precision=hi)
+
+
+def _upsample_aa_forward(self: Any, output_size: Sequence[int], align_corners: bool, *scales: float | None) -> Any:
+    _check_upsample(self, output_size)
+    return _upsample_aa(self, output_size, align_corners, scales or (None, None)).astype(self.dtype)
+
+
+def _upsample_aa_backward(grad_output: Any, output_size: Sequence[int], input_size: Sequence[int],
+                          align_corners: bool, *scales: float | None) -> Any:
+    f = lambda x: _upsample_aa(x, output_size, align_corners, scales or (None, None))  # noqa: E731
+    _, vjp = jax.vjp(f, jnp.zeros(tuple(input_size), _opmath(grad_output).dtype))
+    return vjp(_opmath(grad_output))[0].astype(grad_output.dtype)
+
+
+lower("_upsample_bilinear2d_aa")(_by_schema("_upsample_bilinear2d_aa", _upsample_aa_forward))
+lower("_upsample_bilinear2d_aa_backward")(_by_schema("_upsample_bilinear2d_aa_backward", _upsample_aa_backward))
