@@ -920,9 +920,17 @@ def linalg_eig(self: Any) -> tuple[Any, Any]:
     return _eig("linalg.eig", self, True)
 
 
-@lower("_linalg_eigvals", "linalg_eigvals", checks=True)
+@lower("_linalg_eigvals", checks=True)
 def linalg_eigvals(self: Any) -> Any:
     return _eig("linalg.eigvals", self, False)[0]
+
+
+@direct("linalg_eigvals.out")
+def linalg_eigvals_out(self: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    """linalg_eigvals itself stays PyTorch's composite (linalg_eig when a gradient is needed, so autograd sees
+    LinalgEigBackward; _linalg_eigvals above otherwise); its out= form computes the values and writes `out`."""
+    write_outs("linalg_eigvals", [out], [_storage.read(torch.ops.aten._linalg_eigvals(self))])
+    return out
 
 
 # ---- LDL^T (Bunch-Kaufman), in LAPACK sytrf's format ----

@@ -919,3 +919,29 @@ def segment_reduce_backward(grad: Any, output: Any, data: Any, reduce: str, leng
         r = jnp.where(special, g_at * others, g_at * out_at / jnp.where(special, 1, v))
     r = jnp.where(live, r, 0)
     return r.reshape(data.shape).astype(data.dtype)
+
+
+@lower("hash_tensor")
+def hash_tensor(self: Any, dim: Sequence[int] = (), keepdim: bool = False, mode: int = 0) -> Any:
+    """torch.hash_tensor, mode 0 (xor_sum): each element widened as CPU does (floats to float64, integers and
+    bool to int64), its 64 bits read as uint64, and those xor-ed over the reduced dims."""
+    if mode != 0:
+        raise RuntimeError(f"Unknown hash_tensor mode: {mode}")
+    if jnp.issubdtype(self.dtype, jnp.complexfloating):
+        raise NotImplementedError(f'"xor_sum" not implemented for {dtype_name(self.dtype)} on tpu (nor on CPU)')
+    if self.size == 0 and (not dim if isinstance(dim, (tuple, list)) else dim is None):
+        raise RuntimeError("hash_tensor: Expected reduction dim to be specified for input.numel() == 0. Specify "
+                           "the reduction dim with the 'dim' argument.")
+    axes = _axes(self, dim)
+    for a in axes:
+        if self.shape[a] == 0:
+            raise IndexError(f"hash_tensor: Expected reduction dim {a} to have non-zero size.")
+    if self.dtype == jnp.uint64:
+        bits = self
+    else:
+        wide = self.astype(jnp.float64 if jnp.issubdtype(self.dtype, jnp.floating) else jnp.int64)
+        bits = lax.bitcast_convert_type(wide, jnp.uint64)
+    out = lax.reduce(bits, jnp.uint64(0), lax.bitwise_xor, axes)
+    if keepdim:
+        out = jnp.expand_dims(out, axes)
+    return out

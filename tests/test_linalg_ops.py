@@ -230,6 +230,40 @@ def test_eig_grad_against_cpu() -> None:
     torch.testing.assert_close(grads("tpu"), grads("cpu"), rtol=1e-8, atol=1e-8)
 
 
+def test_eigvals_out_and_gradient_like_cpu() -> None:
+    """linalg.eigvals keeps PyTorch's composite (its gradient goes through linalg_eig, as on CPU) and its out= form
+    writes the given tensor: once it returned a new value and left `out` as it was, silently."""
+    a = torch.randn(4, 4, generator=torch.Generator().manual_seed(3))
+    want = torch.linalg.eigvals(a)
+    out = torch.full((4,), 7.0 + 0j, dtype=torch.complex64, device="tpu")
+    assert torch.linalg.eigvals(a.tpu(), out=out) is out
+    key = lambda v: v.real * 1e3 + v.imag  # noqa: E731  (the values' order is LAPACK's on both; sort to compare)
+    torch.testing.assert_close(out.cpu()[torch.argsort(key(out.cpu()))], want[torch.argsort(key(want))],
+                               rtol=1e-4, atol=1e-5)
+    with pytest.raises(RuntimeError, match="can't be cast"):
+        torch.linalg.eigvals(a.tpu(), out=torch.empty(4, device="tpu"))
+    grads = []
+    for dev in ("cpu", "tpu"):
+        x = a.to(dev).requires_grad_()
+        v = torch.linalg.eigvals(x)
+        assert type(v.grad_fn).__name__ == "LinalgEigBackward0"
+        (g,) = torch.autograd.grad((v.real ** 2 + v.imag).sum(), x)
+        grads.append(g.cpu())
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_lowering_cannot_name_a_mutating_overload() -> None:
+    """@lower names functional overloads (their in-place and out= forms are generated); installed as a functional
+    kernel, a mutating overload would return a new value and leave its written argument unchanged."""
+    from torch_tpu import _eager
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_eager, "_LIB", None)
+        mp.setattr(_eager, "LOWERINGS", {"linalg_eigvals.out": _eager.LOWERINGS["_linalg_eigvals"]})
+        with pytest.raises(RuntimeError, match=r"linalg_eigvals\.out.*writes its arguments"):
+            _eager.install()
+
+
 def test_eig_names_the_way_out_on_tpu(monkeypatch) -> None:
     """XLA's TPU backend has no general eigensolver: the kernel says so and how to get the result."""
     monkeypatch.setattr(torch_tpu._runtime, "platform", lambda: "tpu")

@@ -298,6 +298,11 @@ def install() -> None:
         if lowering.trace_only:
             continue
         op = _overload(name)
+        if any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments):
+            # installed as a functional kernel it would return a new value and leave `out`/`self` unwritten
+            raise RuntimeError(f"torch_tpu: @lower('{name}') names an overload that writes its arguments "
+                               f"({op._schema}); a lowering names the functional overload and its in-place and "
+                               "out= forms are generated from it. For a mutating overload alone, use @direct.")
         kernel = OpKernel(lowering, op)
         KERNELS[name] = kernel
         _install_eager(kernel, name, False, impl)
