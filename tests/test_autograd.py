@@ -223,3 +223,15 @@ def test_pad_unfold_sgn_gradients_under_compile() -> None:
     (wg,) = torch.autograd.grad(want, xc)
     torch.testing.assert_close(out.detach().cpu(), want.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(g.cpu(), wg, rtol=1e-5, atol=1e-5)
+
+
+def test_adaptive_avg_pool3d_backward_out_form_like_cpu() -> None:
+    """The legacy out= overload writes the gradient autograd's _adaptive_avg_pool3d_backward gives."""
+    g = torch.Generator().manual_seed(0)
+    x, go = torch.randn(2, 3, 5, 6, 7, generator=g), torch.randn(2, 3, 2, 3, 4, generator=g)
+    want = torch.empty(0)
+    torch.ops.aten.adaptive_avg_pool3d_backward.grad_input(go, x, grad_input=want)
+    got = torch.empty(0, device="tpu")
+    r = torch.ops.aten.adaptive_avg_pool3d_backward.grad_input(go.tpu(), x.tpu(), grad_input=got)
+    assert r is got and got.shape == want.shape
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6)

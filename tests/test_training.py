@@ -64,6 +64,30 @@ def test_example_trains_like_cpu(name: str) -> None:
         assert diff.norm() <= 1e-2 * b.norm() + 1e-3, (n, diff.norm().item())
 
 
+@pytest.mark.parametrize("name", ["mlp", "gpt", "resnet", "lstm"])
+def test_example_trains_like_cpu_under_bfloat16_autocast(name: str) -> None:
+    """The example models' steps under torch.autocast(bfloat16) on each device: tpu's policy casts the same ops as
+    CPU's, so the losses agree to bfloat16 precision (a wrong cast list or a float32 fallback would not)."""
+    mod = _example(name)
+    losses = {}
+    for device in ("cpu", "tpu"):
+        model, batches, loss_fn = mod.build(0)
+        model = model.to(device)
+        opt = mod.optimizer(model)
+        losses[device] = []
+        for _ in range(5):
+            x, y = (t.to(device) for t in next(batches))
+            opt.zero_grad()
+            with torch.autocast(device_type=device, dtype=torch.bfloat16):
+                out = model(x)
+                loss = loss_fn(out, y)
+            assert out.dtype == torch.bfloat16 or name == "lstm", (name, out.dtype)
+            loss.backward()
+            opt.step()
+            losses[device].append(loss.item())
+    torch.testing.assert_close(losses["tpu"], losses["cpu"], rtol=1e-2, atol=1e-2)
+
+
 OPTIMIZERS = {
     "sgd": lambda p, **kw: torch.optim.SGD(p, lr=0.1, **kw),
     "sgd_momentum_nesterov": lambda p, **kw: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True,

@@ -8,10 +8,14 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+import torch
+
+from torch_tpu import _storage
 from torch_tpu._checks import report_bad_index
 from torch_tpu._jax import jax, jnp, lax
 from torch_tpu.kernels.nn._common import _expand, _is_float, _is_low, _lowest, _opmath
-from torch_tpu.kernels.registry import lower
+from torch_tpu.kernels._promote import write_outs
+from torch_tpu.kernels.registry import direct, lower
 
 
 # ---- pooling ----
@@ -254,6 +258,15 @@ def _adaptive_avg_pool_backward(nd: int) -> Callable[..., Any]:
 
 lower("_adaptive_avg_pool2d_backward")(_adaptive_avg_pool_backward(2))
 lower("_adaptive_avg_pool3d_backward")(_adaptive_avg_pool_backward(3))
+
+
+@direct("adaptive_avg_pool3d_backward.grad_input")
+def adaptive_avg_pool3d_backward_out(grad_output: torch.Tensor, self: torch.Tensor, *,
+                                     grad_input: torch.Tensor) -> torch.Tensor:
+    """The legacy out= form (autograd calls _adaptive_avg_pool3d_backward): the same gradient, written out."""
+    result = torch.ops.aten._adaptive_avg_pool3d_backward(grad_output, self)
+    write_outs("adaptive_avg_pool3d_backward", [grad_input], [_storage.read(result)])
+    return grad_input
 
 
 @lower("adaptive_max_pool2d", "adaptive_max_pool3d")
