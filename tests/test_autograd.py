@@ -235,3 +235,30 @@ def test_adaptive_avg_pool3d_backward_out_form_like_cpu() -> None:
     r = torch.ops.aten.adaptive_avg_pool3d_backward.grad_input(go.tpu(), x.tpu(), grad_input=got)
     assert r is got and got.shape == want.shape
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape,wshape,stride,padding", [
+    ((2, 8, 2, 2), (16, 8, 3, 3), 1, 1), ((2, 8, 4, 4), (16, 8, 3, 3), 2, 1), ((1, 3, 4, 3), (5, 3, 1, 1), 2, 0),
+    ((2, 4, 3, 3), (6, 4, 3, 3), 1, 0), ((0, 4, 2, 2), (6, 4, 3, 3), 1, 1), ((2, 4, 8, 8), (6, 4, 3, 3), 1, 1)])
+def test_small_map_convolutions_like_cpu(shape, wshape, stride, padding) -> None:
+    """Convolutions over maps of at most 4x4 run as windows times a matrix on XLA:CPU (kernels/nn/conv.py
+    _conv_as_patches; its lax convolution was ~50x slower than PyTorch there): values and both gradients match CPU,
+    and the path is the one taken."""
+    import jax
+
+    from torch_tpu.kernels.nn import conv
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(*shape, generator=g), torch.randn(*wshape, generator=g)
+    xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
+    yc = F.conv2d(xc, wc, stride=stride, padding=padding)
+    go = torch.randn(yc.shape, generator=g)
+    yc.backward(go)
+    xt, wt = x.tpu().requires_grad_(), w.tpu().requires_grad_()
+    yt = F.conv2d(xt, wt, stride=stride, padding=padding)
+    yt.backward(go.tpu())
+    for got, want in ((yt, yc), (xt.grad, xc.grad), (wt.grad, wc.grad)):
+        torch.testing.assert_close(got.detach().cpu(), want.detach(), rtol=1e-4, atol=1e-4)
+    jaxpr = str(jax.make_jaxpr(lambda a, b: conv._conv(a, b, [stride], [padding], [1], False, [0], 1))(
+        x.numpy(), w.numpy()))
+    assert ("conv_general_dilated" in jaxpr) == (max(shape[2:]) > 4)

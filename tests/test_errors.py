@@ -18,9 +18,9 @@ from conftest import REPO, run_python
 def test_missing_op_is_strict_by_default() -> None:
     x = torch.randn(3, device="tpu")
     with pytest.raises(NotImplementedError) as e:
-        torch.special.bessel_j0(x)
+        torch.fake_quantize_per_tensor_affine(x, 0.1, 0, 0, 255)
     msg = str(e.value)
-    assert "aten::special_bessel_j0" in msg
+    assert "aten::fake_quantize_per_tensor_affine_cachemask" in msg
     assert "TORCH_TPU_CPU_FALLBACK=warn" in msg and "torch.tpu.set_cpu_fallback(True)" in msg
     assert torch.tpu.fallback_report() == {}
 
@@ -31,26 +31,26 @@ def test_opt_in_cpu_fallback_warns_once_and_counts() -> None:
     with torch.tpu.cpu_fallback(), warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for _ in range(3):
-            y = torch.special.bessel_j0(x)
+            y = torch.fake_quantize_per_tensor_affine(x, 0.1, 0, 0, 255)
     fell_back = [str(m.message) for m in w if "runs on CPU" in str(m.message)]
-    assert len(fell_back) == 1 and "aten::special_bessel_j0" in fell_back[0]
+    assert len(fell_back) == 1 and "aten::fake_quantize_per_tensor_affine_cachemask" in fell_back[0]
     assert y.device.type == "tpu"
-    torch.testing.assert_close(y.cpu(), torch.special.bessel_j0(x.cpu()))
-    assert torch.tpu.fallback_report(reset=True) == {"aten::special_bessel_j0.out": 3}
+    torch.testing.assert_close(y.cpu(), torch.fake_quantize_per_tensor_affine(x.cpu(), 0.1, 0, 0, 255))
+    assert torch.tpu.fallback_report(reset=True) == {"aten::fake_quantize_per_tensor_affine_cachemask": 3}
     with pytest.raises(NotImplementedError):  # strict again outside the context
-        torch.special.bessel_j0(x)
+        torch.fake_quantize_per_tensor_affine(x, 0.1, 0, 0, 255)
 
 
 def test_fallback_env_var() -> None:
     r = run_python(
         "import torch, warnings\n"
         "x = torch.randn(3, device='tpu')\n"
-        "y = torch.special.bessel_j0(x)\n"
+        "y = torch.fake_quantize_per_tensor_affine(x, 0.1, 0, 0, 255)\n"
         "print(torch.tpu.fallback_report())",
         env={"TORCH_TPU_CPU_FALLBACK": "warn"},
     )
     assert r.returncode == 0, r.stderr
-    assert "{'aten::special_bessel_j0.out': 1}" in r.stdout
+    assert "{'aten::fake_quantize_per_tensor_affine_cachemask': 1}" in r.stdout
     assert "runs on CPU" in r.stderr
     bad = run_python("import torch\nprint('imported', flush=True)\ntorch.zeros(1, device='tpu')",
                      env={"TORCH_TPU_CPU_FALLBACK": "sometimes"})
