@@ -916,22 +916,7 @@ def _resnet18() -> torch.nn.Module:
     """torchvision.models.resnet18() layer for layer (BasicBlock x [2, 2, 2, 2], 11.7 M parameters), for machines
     where torchvision cannot be imported."""
     nn = torch.nn
-
-    class Block(nn.Module):
-        def __init__(self, cin: int, cout: int, stride: int) -> None:
-            super().__init__()
-            self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-            self.bn1 = nn.BatchNorm2d(cout)
-            self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-            self.bn2 = nn.BatchNorm2d(cout)
-            self.relu = nn.ReLU(inplace=True)
-            self.downsample = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-                               if stride != 1 or cin != cout else None)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            idt = x if self.downsample is None else self.downsample(x)
-            out = self.relu(self.bn1(self.conv1(x)))
-            return self.relu(self.bn2(self.conv2(out)) + idt)
+    Block = _example("resnet").Residual  # the examples' residual block: two 3x3 conv-BN, 1x1 conv-BN skip
 
     layers = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)]
     cin = 64

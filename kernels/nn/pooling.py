@@ -426,17 +426,14 @@ lower("fractional_max_pool2d")(_fractional_max_pool("fractional_max_pool2d", 2))
 lower("fractional_max_pool3d")(_fractional_max_pool("fractional_max_pool3d", 3))
 
 
-@lower("fractional_max_pool2d_backward")
-def fractional_max_pool2d_backward(grad_output: Any, self: Any, kernel_size: Any, output_size: Any,
-                                   indices: Any) -> Any:
-    if self.size == 0:
-        return jnp.zeros(self.shape, self.dtype)
-    return _max_pool_backward(grad_output, self, indices, 2)
+def _fractional_max_pool_backward(nd: int) -> Callable[..., Any]:
+    def backward(grad_output: Any, self: Any, kernel_size: Any, output_size: Any, indices: Any) -> Any:
+        if self.size == 0:
+            return jnp.zeros(self.shape, self.dtype)
+        return _max_pool_backward(grad_output, self, indices, nd)
+
+    return backward
 
 
-@lower("fractional_max_pool3d_backward")
-def fractional_max_pool3d_backward(grad_output: Any, self: Any, kernel_size: Any, output_size: Any,
-                                   indices: Any) -> Any:
-    if self.size == 0:
-        return jnp.zeros(self.shape, self.dtype)
-    return _max_pool_backward(grad_output, self, indices, 3)
+lower("fractional_max_pool2d_backward")(_fractional_max_pool_backward(2))
+lower("fractional_max_pool3d_backward")(_fractional_max_pool_backward(3))
