@@ -1,5 +1,5 @@
-// DeviceGuardImplInterface for tpu: a per-thread current device index and one default stream per device
-// (PJRT orders work per device; explicit streams come later).
+// DeviceGuardImplInterface for tpu: a per-thread current device index, per-thread current streams and events
+// (TpuStream.cpp, TpuEvent.cpp).
 #include "TpuRuntime.h"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -64,15 +64,35 @@ struct TpuGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   void uncheckedSetDevice(c10::Device d) const noexcept override {
     if (d.index() >= 0) t_current = d.index();
   }
-  c10::Stream getStream(c10::Device d) const override {
-    return c10::Stream(c10::Stream::DEFAULT, d);
+  // Streams and events: TpuStream.cpp and TpuEvent.cpp (what they mean over PJRT: docs/user_guide.md).
+  c10::Stream getStream(c10::Device d) const override { return current_stream(d.index()); }
+  c10::Stream getDefaultStream(c10::Device d) const override { return default_stream(d.index()); }
+  c10::Stream getNewStream(c10::Device d, int priority = 0) const override { return new_stream(d.index()); }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool isHighPriority = false) const override {
+    return new_stream(d.index());
   }
-  c10::Stream getDefaultStream(c10::Device d) const override {
-    return c10::Stream(c10::Stream::DEFAULT, d);
+  c10::Stream exchangeStream(c10::Stream s) const noexcept override { return exchange_stream(s); }
+  void record(void** event, const c10::Stream& stream, const c10::DeviceIndex device_index,
+              const c10::EventFlag flag) const override {
+    TORCH_CHECK(device_index == -1 || device_index == stream.device_index(), "tpu Event.record: the event ",
+                "belongs to tpu:", static_cast<int>(device_index), " but the stream to tpu:",
+                static_cast<int>(stream.device_index()), "; record it on a stream of its own device.");
+    event_record(event, stream.device_index(), flag == c10::EventFlag::BACKEND_DEFAULT);
   }
-  c10::Stream exchangeStream(c10::Stream s) const override {
-    return c10::Stream(c10::Stream::DEFAULT, s.device());
+  // Waits need no device work: values flow from one op to the next through their device arrays, and XLA runs a
+  // program only once its inputs are computed, whatever stream issued it.
+  void block(void* event, const c10::Stream& stream) const override {}
+  bool queryEvent(void* event) const override { return event_query(event); }
+  void synchronizeEvent(void* event) const override { event_synchronize(event); }
+  double elapsedTime(void* start, void* end, const c10::DeviceIndex device_index) const override {
+    return event_elapsed_ms(start, end);
   }
+  void destroyEvent(void* event, const c10::DeviceIndex device_index) const noexcept override {
+    event_destroy(event);
+  }
+  // A device array is freed only once the programs using it are done (PJRT counts its uses), so there is
+  // nothing for record_stream to do.
+  void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
   c10::DeviceIndex deviceCount() const noexcept override {
     try {
       return device_count();
@@ -80,7 +100,8 @@ struct TpuGuardImpl final : public c10::impl::DeviceGuardImplInterface {
       return 0;
     }
   }
-  bool queryStream(const c10::Stream&) const override { return true; }
+  // One queue per device: a stream is done when all work enqueued on its device is (a conservative answer).
+  bool queryStream(const c10::Stream& s) const override { return stream_query(s.device_index()); }
   void synchronizeStream(const c10::Stream& s) const override { synchronizeDevice(s.device_index()); }
   void synchronizeDevice(const c10::DeviceIndex device_index) const override {
     if (!runtime_started() || callbacks().synchronize == nullptr) return;

@@ -11,6 +11,7 @@
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 #include <c10/core/Storage.h>
+#include <c10/core/Stream.h>
 #include <c10/core/TensorImpl.h>
 
 #include <cstdint>
@@ -52,6 +53,20 @@ c10::DeviceIndex current_device();
 void set_current_device(c10::DeviceIndex index);
 void check_device_index(c10::DeviceIndex index);
 bool runtime_started();
+
+// ---- streams and events (TpuStream.cpp, TpuEvent.cpp) ----
+// A stream is an id (0: the default stream) with a per-thread current stream per device; device -1 means the
+// current device. An event handle is an owned Python object (a torch_tpu._streams mark).
+c10::Stream current_stream(c10::DeviceIndex device);
+c10::Stream default_stream(c10::DeviceIndex device);
+c10::Stream new_stream(c10::DeviceIndex device);
+c10::Stream exchange_stream(c10::Stream s) noexcept;
+void event_record(void** event, c10::DeviceIndex device, bool timing);
+void event_destroy(void* event) noexcept;
+bool event_query(void* event);
+void event_synchronize(void* event);
+double event_elapsed_ms(void* start, void* end);
+bool stream_query(c10::DeviceIndex device);  // all work enqueued on the device is done
 
 // ---- fork (TpuGuard.cpp) ----
 // PJRT's threads and connections do not survive fork(): a child forked after the runtime started cannot use

@@ -712,3 +712,18 @@ def flush_thread(reason: str) -> None:
         graphs = [g for (o, _), g in _graphs.items() if o == owner]
     for g in graphs:
         flush(g, reason)
+
+
+def thread_graph(index: int) -> _Graph | None:
+    """The pending graph (recorded, not run yet) the calling thread records into on tpu:`index`, if any: what an
+    event recorded now marks without running it (torch_tpu/_streams.py)."""
+    if not _graphs:
+        return None
+    with _lock:
+        g = _graphs.get((_C._graph_owner(), index))
+        return g if g is not None and g.nodes and not g.done else None
+
+
+def graph_values(g: _Graph) -> list[Any]:
+    """The device arrays a graph that ran gave its placeholders still alive."""
+    return [p.value for r in g.pendings if (p := r()) is not None and p.value is not None]

@@ -249,6 +249,15 @@ def is_bf16_supported(including_emulation: bool = True) -> bool:
     return True
 
 
+# ---- streams and events (torch_tpu/_streams.py; semantics: docs/user_guide.md, "Streams and events") ----
+
+from torch_tpu._streams import (  # noqa: E402
+    Event, Stream, StreamContext, current_stream, default_stream, set_stream, stream,
+)
+
+__all__ += ["Event", "Stream", "StreamContext", "current_stream", "default_stream", "set_stream", "stream"]
+
+
 # ---- missing operators ----
 
 def set_cpu_fallback(enabled: bool) -> None:
