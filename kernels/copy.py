@@ -74,3 +74,11 @@ def _local_scalar_dense(self: torch.Tensor) -> Any:
     # As copy_ to the host: under DEFER_AND_FUSE the graph holding the value runs (the read of a view is recorded
     # into it first), not every graph of the thread, and no boundary flush is paid by sync-heavy code.
     return _runtime.download(_executor.concrete(_storage.read(self), "item")).item()
+
+
+@direct("record_stream", defer=True)
+def record_stream(self: torch.Tensor, s: Any) -> None:
+    """Nothing to do: PJRT frees a device array only once the programs using it are done, whatever stream issued
+    them (docs/user_guide.md, "Streams and events"); CUDA needs it because its allocator reuses memory per
+    stream."""
+    return None

@@ -203,3 +203,4 @@ def test_synchronize_raises_a_pending_index_error() -> None:
     with pytest.raises(IndexError):
         e.synchronize()
     del y
+

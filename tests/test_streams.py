@@ -183,7 +183,8 @@ def test_fsdp_like_side_stream_copy(mode: EagerMode) -> None:
 
 
 def test_streams_on_two_devices() -> None:
-    """A stream's context on another device makes that device current and restores both devices' streams."""
+    """A stream's context on another device makes that device current and restores both devices' streams; the
+    process exits cleanly with timing events still pending."""
     code = """
 import torch
 assert torch.tpu.device_count() == 2
@@ -205,6 +206,15 @@ s0.wait_event(e)
 assert torch.equal((y.to("tpu:0") + 1).cpu(), torch.arange(3.0) * 3 + 1)
 torch.accelerator.set_stream(s1)
 assert torch.tpu.current_device() == 1  # set_stream makes the stream's device current, as CUDA's
+# The script ends while timing events still wait for their work: it exits cleanly (the event timer thread ends
+# before the interpreter does).
+a = torch.randn(512, 512, device="tpu:1")
+t0 = torch.tpu.Event(enable_timing=True)
+t0.record()
+for _ in range(6):
+    a = torch.tanh(a @ a)
+t1 = torch.Event("tpu", enable_timing=True)
+t1.record()
 print("ok")
 """
     r = run_python(code, env={"TORCH_TPU_NUM_DEVICES": "2"}, timeout=120)
@@ -228,3 +238,18 @@ def test_backward_across_streams_like_cpu_without_graph_breaks() -> None:
     assert torch.tpu.metrics().flushes == {"to_cpu": 1}
     ((wc @ wc).tanh() * 3).sum().backward()
     torch.testing.assert_close(g, wc.grad)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+def test_record_stream_keeps_values(mode: EagerMode) -> None:
+    """Tensor.record_stream (a CUDA allocator hint) is accepted and needs nothing: a tensor made on a side stream,
+    recorded on the compute stream and dropped there, still gives CPU's values where it is used."""
+    s = torch.tpu.Stream()
+    with torch.tpu.set_eager_mode(mode):
+        with torch.tpu.stream(s):
+            t = torch.arange(8.0, device="tpu") * 3
+        t.record_stream(torch.tpu.current_stream())
+        u = t.flip(0) + 1
+        del t
+        got = u.cpu()
+    torch.testing.assert_close(got, (torch.arange(8.0) * 3).flip(0) + 1)

@@ -20,6 +20,7 @@ the host-observed completion time of the end event minus that of the start event
 
 from __future__ import annotations
 
+import atexit
 import collections
 import threading
 import time
@@ -161,11 +162,14 @@ def _block(a: Any) -> None:
 
 class _Waiter:
     """One daemon thread that stamps timing marks in record order: it waits for a mark's arrays (without the
-    GIL) and takes the host clock. Started on the first timing record that finds work still computing."""
+    GIL) and takes the host clock. Started on the first timing record that finds work still computing; at exit
+    it finishes its marks and ends before the interpreter does (a daemon thread still inside a wait of JAX's when
+    the interpreter finalizes aborts the process)."""
 
     cv = threading.Condition()
     queue: collections.deque[_Mark] = collections.deque()
     busy = False
+    stopping = False
     thread: threading.Thread | None = None
 
     @classmethod
@@ -177,32 +181,52 @@ class _Waiter:
                 mark.strong = None
                 mark.done.set()
                 return
-            cls.queue.append(mark)
-            if cls.thread is None or not cls.thread.is_alive():
-                cls.thread = threading.Thread(target=cls._run, name="torch_tpu event timer", daemon=True)
-                cls.thread.start()
+            inline = cls.stopping  # at exit: stamped by the recording thread, no new thread
+            if not inline:
+                cls.queue.append(mark)
+                if cls.thread is None or not cls.thread.is_alive():
+                    if cls.thread is None:
+                        atexit.register(cls._stop)
+                    cls.thread = threading.Thread(target=cls._run, name="torch_tpu event timer", daemon=True)
+                    cls.thread.start()
+                cls.cv.notify()
+        if inline:
+            cls._wait_and_stamp(mark)
+
+    @classmethod
+    def _stop(cls) -> None:
+        with cls.cv:
+            cls.stopping = True
             cls.cv.notify()
+        if cls.thread is not None:
+            cls.thread.join()
 
     @classmethod
     def _run(cls) -> None:
         while True:
             with cls.cv:
                 while not cls.queue:
+                    if cls.stopping:
+                        return
                     cls.cv.wait()
                 mark = cls.queue.popleft()
                 cls.busy = True
-            for a in mark.strong or ():
-                try:
-                    _block(a)
-                except BaseException as e:  # the program failed: synchronize() raises it
-                    mark.error = e
-            t = time.perf_counter_ns()
+            cls._wait_and_stamp(mark)
             with cls.cv:
-                mark.t_done = max(t, mark.t_record)
-                mark.strong = None
                 cls.busy = False
-            assert mark.done is not None
-            mark.done.set()
+
+    @classmethod
+    def _wait_and_stamp(cls, mark: _Mark) -> None:
+        for a in mark.strong or ():
+            try:
+                _block(a)
+            except BaseException as e:  # the program failed: synchronize() raises it
+                mark.error = e
+        t = time.perf_counter_ns()
+        mark.t_done = max(t, mark.t_record)
+        mark.strong = None
+        assert mark.done is not None
+        mark.done.set()
 
 
 # ---- the public classes and functions (torch.tpu.*, modelled on torch.cuda's) ----
