@@ -998,10 +998,52 @@ def bench_host(rows: list[str] | None = None, quick: bool = False) -> None:
         print(f"  {name:<58} {ratio:>8}  {target:<9} {mark}")
 
 
+def bench_streams() -> None:
+    """What streams and events cost (docs/user_guide.md, "Streams and events"): an FSDP-like step (a side-stream
+    copy of the shards into a flat buffer, record_event, wait_event, three matmuls, an in-place update) with the
+    stream and event calls next to the same step without them, per mode (ratio ~1: under DEFER_AND_FUSE the
+    events cut no graph), and Event.record() next to a 2x2 add with 2,000 idle live arrays."""
+    shards = [torch.randn(64, 64, device="tpu") for _ in range(3)]
+    x = torch.randn(32, 64, device="tpu")
+    flat = torch.empty(3 * 64 * 64, device="tpu")
+    side, compute = torch.tpu.Stream(), torch.tpu.current_stream()
+
+    def step(streams: bool) -> None:
+        if streams:
+            side.wait_stream(compute)
+        with torch.tpu.stream(side if streams else None):
+            torch.cat([s.reshape(-1) for s in shards], out=flat)
+            params = [p.view(64, 64) for p in flat.split(64 * 64)]
+            event = side.record_event() if streams else None
+        if streams:
+            compute.wait_event(event)
+        h = x
+        for p in params:
+            h = torch.tanh(h @ p)
+        for s, p in zip(shards, params):
+            s.sub_(0.001 * p)
+        h.sum().item()
+
+    print("streams  (FSDP-like step: with streams/events vs without, us/step)")
+    for mode in ("DEFER_NEVER", "DEFER_AND_FUSE"):
+        with torch.tpu.set_eager_mode(mode):
+            r = _interleaved({"streams": lambda: step(True), "plain": lambda: step(False)}, calls=30, trials=5)
+        print(f"  {mode:<15} with {r['streams']:8.1f}  without {r['plain']:8.1f}  -> "
+              f"{r['streams'] / r['plain']:.2f}x")
+    keep = [torch.randn(4, device="tpu") for _ in range(2000)]
+    torch.tpu.synchronize()
+    e = torch.tpu.Event()
+    a = torch.randn(2, 2, device="tpu")
+    r = side_by_side({"Event.record()": e.record, "x + y": lambda: a + a}, calls=200, trials=5,
+                     sync=torch.tpu.synchronize)
+    print(f"  Event.record() with {len(keep)} live arrays {r['Event.record()']:8.1f} us, a 2x2 add "
+          f"{r['x + y']:6.1f} us -> {r['Event.record()'] / r['x + y']:.1f}x")
+
+
 BENCHMARKS = {"eager_overhead": bench_eager_overhead, "op_overhead": bench_op_overhead, "training": bench_training,
               "fuse": bench_fuse, "cold_start": bench_cold_start, "compile": bench_compile,
               "all_reduce": bench_all_reduce, "index_checks": bench_index_checks,
-              "threads": bench_threads, "host": bench_host}
+              "threads": bench_threads, "host": bench_host, "streams": bench_streams}
 
 
 def main(argv: list[str]) -> int:

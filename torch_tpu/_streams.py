@@ -25,7 +25,7 @@ import collections
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -53,14 +53,25 @@ class _Mark:
         self.error: BaseException | None = None
 
 
+# Arrays seen computed (an array stays computed), by id: a weak reference's callback drops the entry when the array
+# dies, before its id can be reused. A record then asks is_ready() only of arrays it has not seen computed.
+_seen_ready: dict[int, weakref.ref] = {}
+
+
+def _forget(key: int) -> Callable[[weakref.ref], None]:
+    return lambda _ref: _seen_ready.pop(key, None)
+
+
 def _computing(device: int) -> list[Any]:
     """The device arrays on tpu:`device` that are not computed yet (work enqueued, not finished)."""
     import jax
 
+    seen = _seen_ready
     out = []
-    for a in jax.live_arrays():
+    for a in [a for a in jax.live_arrays() if id(a) not in seen]:
         try:
             if a.is_ready():
+                seen[id(a)] = weakref.ref(a, _forget(id(a)))
                 continue
         except RuntimeError:  # deleted (donated to a later program) meanwhile: that program's outputs stand for it
             continue
