@@ -120,7 +120,13 @@ def test_timing_event_with_torch_event() -> None:
     b.record()
     b.synchronize()
     assert a.elapsed_time(b) > 0
-    del y
+    c = torch.tpu.Event(enable_timing=True)  # a torch.tpu.Event measures up to a torch.Event
+    c.record()
+    z = _long_work(4) * 2
+    b.record()
+    b.synchronize()
+    assert c.elapsed_time(b) > 0 and c.elapsed_time(b) < a.elapsed_time(b)
+    del y, z
 
 
 def test_stream_record_event_and_wait_event() -> None:
