@@ -178,6 +178,17 @@ def test_limit_raises_out_of_memory_and_the_device_stays_usable(mode: str) -> No
             x.repeat(8)  # 8 MiB
         assert torch.tpu.memory_stats()["num_ooms"] == ooms + 2
         assert settled() == base + MiB
+        small = torch.ones(4, device="tpu")
+        (small * small).cpu(), (small + 1).cpu()  # the eager cache hits (runtime/TpuDispatch.cpp) from here on
+        _with_limit(MiB // 2)
+        live = torch.tpu.live_storages()
+        for op in (lambda t: t * t, lambda t: t + 1):
+            with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 1.00 MiB"):
+                op(x)
+        assert torch.tpu.memory_stats()["num_ooms"] == ooms + 4
+        assert torch.tpu.live_storages() == live and settled() == base + MiB + 16  # nothing leaked
+        del small
+        _with_limit(4 * MiB)
         z = x * 2 + 1  # the next ops run
         assert torch.equal(z.cpu(), torch.full((MiB // 4,), 3.0))
     finally:
@@ -214,9 +225,10 @@ def test_pjrt_resource_exhausted_becomes_out_of_memory(mode: str) -> None:
     assert settled() == base
 
 
-def test_env_limit_in_a_fresh_process() -> None:
+def test_env_limit_and_per_device_counts_in_a_fresh_process() -> None:
     code = (
         "import torch\n"
+        "print('before', torch.tpu.memory_stats(), torch.accelerator.memory_allocated())\n"
         "x = torch.ones(1024, device='tpu')\n"
         "try:\n"
         "    torch.zeros(2 << 20, device='tpu')\n"
@@ -224,12 +236,17 @@ def test_env_limit_in_a_fresh_process() -> None:
         "    print('OOM', e)\n"
         "print('ooms', torch.tpu.memory_stats()['num_ooms'], 'allocated', torch.tpu.memory_allocated())\n"
         "print('next', (x + 1).sum().item())\n"
+        "y = x.to('tpu:1'); z = torch.empty(100, dtype=torch.int64, device='tpu:1')\n"
+        "print('per device', torch.tpu.memory_allocated(0), torch.tpu.memory_allocated('tpu:1'),\n"
+        "      torch.accelerator.memory_allocated(1), torch.tpu.memory_stats(1)['num_ooms'])\n"
     )
-    r = run_python(code, env={"TORCH_TPU_MEMORY_LIMIT": "4M"}, timeout=120)
+    r = run_python(code, env={"TORCH_TPU_MEMORY_LIMIT": "4M", "TORCH_TPU_NUM_DEVICES": "2"}, timeout=120)
     assert r.returncode == 0, r.stderr
+    assert "before OrderedDict() 0" in r.stdout  # nothing before the first tpu use (as CUDA)
     assert "OOM tpu out of memory. Tried to allocate 8.00 MiB" in r.stdout
     assert "limit 4.00 MiB (TORCH_TPU_MEMORY_LIMIT)" in r.stdout
     assert "ooms 1 allocated 4096" in r.stdout and "next 2048.0" in r.stdout
+    assert "per device 4096 4896 4896 0" in r.stdout
 
 
 def test_pjrt_out_of_memory_at_dispatch(mode: str) -> None:

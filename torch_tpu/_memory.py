@@ -148,12 +148,12 @@ def max_memory_reserved(device: Any = None) -> int:
 
 def reset_peak_memory_stats(device: Any = None) -> None:
     """Peaks start again from the current values (PJRT's own peak, reserved on TPU, is not resettable)."""
-    _C._reset_peak_memory_stats(_index(device))
+    _C._reset_peak_memory_stats(_checked(device))
 
 
 def reset_accumulated_memory_stats(device: Any = None) -> None:
     """The "allocated"/"freed" totals and the event counters (num_ooms, ...) start again from 0."""
-    _C._reset_accumulated_memory_stats(_index(device))
+    _C._reset_accumulated_memory_stats(_checked(device))
 
 
 def reset_max_memory_allocated(device: Any = None) -> None:
