@@ -268,3 +268,34 @@ def test_pjrt_out_of_memory_at_dispatch(mode: str) -> None:
     assert settled() == base
     assert torch.equal(torch.ones(3, device="tpu").cpu(), torch.ones(3))
     del t
+
+
+def test_reserved_and_info_from_pjrt_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where PJRT keeps statistics (TPU's Device.memory_stats()), reserved and mem_get_info come from them, through
+    torch.tpu and through the C++ DeviceAllocator that torch.accelerator reads. XLA:CPU has none: a device
+    reporting TPU-like numbers stands in for the platform (the code under test is everything above it)."""
+    from torch_tpu import _runtime
+
+    torch.ones(1, device="tpu").cpu()
+    real = _runtime.device(0)
+
+    class Reporting:
+        def memory_stats(self) -> dict[str, int]:
+            return {"bytes_in_use": 123456, "peak_bytes_in_use": 999999, "bytes_limit": 1 << 30}
+
+        def __getattr__(self, name: str):
+            return getattr(real, name)
+
+    monkeypatch.setattr(_runtime, "device", lambda index: Reporting() if index == 0 else real)
+    assert torch.tpu.memory_reserved() == torch.accelerator.memory_reserved() == 123456
+    assert torch.tpu.max_memory_reserved() == torch.accelerator.max_memory_reserved() == 999999
+    assert torch.tpu.memory_stats()["reserved_bytes.all.current"] == 123456
+    assert torch.tpu.mem_get_info() == torch.accelerator.get_memory_info() == ((1 << 30) - 123456, 1 << 30)
+    assert torch.tpu.get_device_properties(0).total_memory == 1 << 30
+    base = torch.tpu.memory_allocated()  # allocated stays this backend's own count
+    try:
+        torch.tpu.set_per_process_memory_fraction(0.5)  # of bytes_limit
+        with pytest.raises(torch.OutOfMemoryError, match=f"limit 512.00 MiB .*of {1 << 30} bytes"):
+            torch.empty(512 * MiB + 1 - base, dtype=torch.uint8, device="tpu")
+    finally:
+        torch.tpu.set_per_process_memory_fraction(1.0)
