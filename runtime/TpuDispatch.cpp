@@ -291,7 +291,10 @@ class EagerKernel final : public c10::OperatorKernel {
     t_running = saved;
     Py_DECREF(fn);
     release();
-    if (out == nullptr) throw python_error();
+    if (out == nullptr) {
+      translate_oom_error(device, "aten::" + name_);
+      throw python_error();
+    }
     if (direct) direct_ran(out);
     if (!dispatch_collect_if_due()) {
       Py_DECREF(out);
@@ -326,7 +329,13 @@ class EagerKernel final : public c10::OperatorKernel {
     int64_t numel = 1;
     for (int64_t s : shape) numel *= s;
     size_t nbytes = static_cast<size_t>(numel) * c10::elementSize(stype);
-    c10::Storage storage = make_storage(out, stype, shape, nbytes, static_cast<c10::DeviceIndex>(device));
+    c10::Storage storage;
+    try {  // (out of memory: the allocator's limit)
+      storage = make_storage(out, stype, shape, nbytes, static_cast<c10::DeviceIndex>(device));
+    } catch (...) {
+      Py_DECREF(out);
+      throw;
+    }
     Py_DECREF(out);
     auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage),
                                                       c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),

@@ -411,7 +411,14 @@ PyObject* py_wrap_all(PyObject* /*self*/, PyObject* args) {
     int64_t numel = 1;
     for (int64_t s : shape) numel *= s;
     size_t nbytes = static_cast<size_t>(numel) * c10::elementSize(st);
-    c10::Storage storage = make_storage(array, st, shape, nbytes, static_cast<c10::DeviceIndex>(device));
+    c10::Storage storage;
+    try {  // (out of memory: the allocator's limit)
+      storage = make_storage(array, st, shape, nbytes, static_cast<c10::DeviceIndex>(device));
+    } catch (...) {
+      Py_DECREF(fa);
+      Py_DECREF(out);
+      throw;
+    }
     auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage),
                                                       c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
                                                       c10::scalarTypeToTypeMeta(st));
@@ -524,6 +531,7 @@ PYBIND11_MODULE(_C, m) {
     return generator_arg(gen)->philox_step(increment);
   });
   m.def("_live_buffers", &live_buffers);
+  add_memory_methods(m);
   m.def("_set_fallback_mode", [](int mode) { set_fallback_mode(static_cast<FallbackMode>(mode)); });
   m.def("_fallback_mode", []() { return static_cast<int>(fallback_mode()); });
   m.def("_fallback_counts", &fallback_counts);

@@ -18,6 +18,10 @@
 #include <string>
 #include <vector>
 
+namespace pybind11 {
+class module_;
+}
+
 namespace torch_tpu {
 
 constexpr c10::DeviceType kTpu = c10::DeviceType::PrivateUse1;
@@ -107,6 +111,12 @@ struct Callbacks {
   PyObject* synchronize = nullptr;    // (device index or -1) -> None
 };
 Callbacks& callbacks();
+
+// ---- memory accounting (TpuAllocator.cpp): adds _memory_stats, _set_memory_limit, ... to torch_tpu._C ----
+void add_memory_methods(pybind11::module_& m);
+// With a Python error set: replaces PJRT's RESOURCE_EXHAUSTED by torch.OutOfMemoryError (counted in num_ooms of
+// `device`), naming `what` ran; any other error is left as it is.
+void translate_oom_error(int device, const std::string& what);
 
 // Resizes a tpu storage to `new_nbytes`, keeping its leading bytes (TpuHooks.cpp uses it).
 void resize_storage_bytes(const c10::Storage& storage, size_t new_nbytes);

@@ -63,6 +63,11 @@ def _setup() -> None:
 
     distributed.register()
 
+    # Memory statistics and limits (runtime/TpuAllocator.cpp's accounting; torch_tpu/_memory.py).
+    from torch_tpu import _memory
+
+    _memory.install()
+
     _C._set_fallback_mode(_config.get("TORCH_TPU_CPU_FALLBACK"))
     # A bad TORCH_TPU_* value must not break `import torch`: every variable is parsed now (reads above gave the
     # default) and a bad one is raised at the first tpu use and by torch.tpu.is_available() (instead of

@@ -42,7 +42,7 @@ import torch.fx
 from torch._dynamo.device_interface import DeviceInterface, register_interface_for_device
 from torch._dynamo.utils import counters
 
-from torch_tpu import _C, _checks, _executor, _rng, _runtime, _storage, _trace
+from torch_tpu import _C, _checks, _executor, _memory, _rng, _runtime, _storage, _trace
 from torch_tpu._jax import jax
 from torch_tpu.kernels import registry
 from torch_tpu.kernels._schema import _overload
@@ -663,7 +663,11 @@ class _GraphProgram:
             if mask:
                 counters["tpu_donation"]["inputs"] += mask.bit_count()  # apart: counters["tpu"] counts compiles
             program = programs.get((checked, mask)) or self._program(checked, mask)
-            outs, muts, checks = program(statics, *arrays, *constants)
+            try:
+                outs, muts, checks = program(statics, *arrays, *constants)
+            except RuntimeError:  # PJRT's RESOURCE_EXHAUSTED becomes torch.OutOfMemoryError
+                _memory.raise_if_oom(index, f"the compiled graph {self.name}")
+                raise
             del arrays  # the donated arrays are gone
             if checks:
                 _checks.register(checks)

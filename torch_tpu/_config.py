@@ -176,6 +176,9 @@ VARIABLES: tuple[Var, ...] = (
         "under torchrun, join JAX's distributed world at the first tpu use"),
     Var("TORCH_TPU_DIST_CHECKS", boolean(True), True,
         "tpu_dist: check collective arguments agree across ranks before running"),
+    Var("TORCH_TPU_MEMORY_LIMIT", byte_size, None,
+        "bytes live tpu tensors may hold per device; an allocation past it raises torch.OutOfMemoryError",
+        "no limit (a TPU's own memory)"),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
 _parsed: dict[tuple[str, str], Any] = {}  # (name, raw value) -> parsed value

@@ -37,7 +37,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
-from torch_tpu import _checks, _metrics, _runtime
+from torch_tpu import _checks, _memory, _metrics, _runtime
 from torch_tpu._jax import jax
 
 
@@ -579,9 +579,12 @@ def flush(g: _Graph | None, reason: str) -> None:
             results, checks = ([out[0][p.out] for p in alive], out[1]) if single else out
         except Exception as e:
             g.done = True
-            for p in alive:
-                p.error = e
             names = sorted({_op_name(fn) for fn, _, _ in g.nodes})[:12]
+            oom = _memory.oom_error(e, g.index, f"a deferred graph of {len(g.nodes)} ops ({', '.join(names)})")
+            for p in alive:
+                p.error = oom or e
+            if oom is not None:
+                raise oom from e
             raise DeferredError(
                 f"torch_tpu: running the deferred graph of {len(g.nodes)} ops on tpu:{g.index} failed "
                 f"(ops include {', '.join(names)}): {type(e).__name__}: {e}. Rerun with "

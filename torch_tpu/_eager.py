@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from torch_tpu import _C, _checks, _executor, _metrics, _runtime, _storage
+from torch_tpu import _C, _checks, _executor, _memory, _metrics, _runtime, _storage
 
 _fast_args = _C._fast_args
 _wrap = _C._wrap
@@ -148,7 +148,11 @@ class OpKernel(Signature):
                 fn = _jit(self.lowering, run,
                           out_shardings=jax.sharding.SingleDeviceSharding(_runtime.device(index)))
             self._jits[key] = fn
-        return index, fn(*dyn)
+        try:
+            return index, fn(*dyn)
+        except RuntimeError:  # PJRT's RESOURCE_EXHAUSTED becomes torch.OutOfMemoryError
+            _memory.raise_if_oom(index, f"aten::{self.name}")
+            raise
 
     # -- the three installed forms --
     def _positional(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -167,7 +171,11 @@ class OpKernel(Signature):
                 if not _current_mode():
                     fn = self._fast.get((len(args), fast[1], None))
                     if fn is not None:
-                        return _wrap(fn(*fast[2]), None, fast[0])
+                        try:
+                            return _wrap(fn(*fast[2]), None, fast[0])
+                        except RuntimeError:  # PJRT's RESOURCE_EXHAUSTED becomes torch.OutOfMemoryError
+                            _memory.raise_if_oom(fast[0], f"aten::{self.name}")
+                            raise
                 elif _recording():
                     entry = self._fast_rec.get((len(args), fast[1], None))
                     if entry is not None:
@@ -233,8 +241,12 @@ class OpKernel(Signature):
             if fast is not None:
                 if not _current_mode():
                     fn = self._fast.get((len(args), fast[1], args[0].dtype))
-                    if fn is not None and _set_whole(args[0], fn(*fast[2])):
-                        return args[0]
+                    try:
+                        if fn is not None and _set_whole(args[0], fn(*fast[2])):
+                            return args[0]
+                    except RuntimeError:  # PJRT's RESOURCE_EXHAUSTED becomes torch.OutOfMemoryError
+                        _memory.raise_if_oom(fast[0], f"aten::{self.name}")
+                        raise
                 elif _recording():
                     entry = self._fast_rec.get((len(args), fast[1], args[0].dtype))
                     if entry is not None and _set_whole(args[0], _executor.record(fast[0], entry[0], entry[1],

@@ -24,7 +24,7 @@ import itertools
 import threading
 from typing import Any, Callable
 
-from torch_tpu import _C, _checks, _deferred, _runtime
+from torch_tpu import _C, _checks, _deferred, _memory, _runtime
 from torch_tpu._deferred import EagerMode
 from torch_tpu._jax import jax
 
@@ -75,7 +75,11 @@ class Jitted:
             return record(self._index(args), self.key, self.fn, args)
         if self._jitted is None:
             self._make()
-        return self._jitted(*args)
+        try:
+            return self._jitted(*args)
+        except RuntimeError:  # PJRT's RESOURCE_EXHAUSTED becomes torch.OutOfMemoryError
+            _memory.raise_if_oom(self._index(args), f"the program of a tpu kernel ({self.key[0]})")
+            raise
 
     def _make(self) -> None:
         kwargs = dict(self._jit_kwargs)

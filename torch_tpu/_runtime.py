@@ -252,7 +252,13 @@ def upload(t: torch.Tensor, index: int) -> Any:
     # jax 0.10.2), and torch may later mutate its own memory.
     jax_dtype(t.dtype)  # a dtype tpu lacks fails here, naming it, rather than in numpy
     arr = np.array(host_to_numpy(t), copy=True)
-    return jax.device_put(arr, device(index))
+    try:
+        return jax.device_put(arr, device(index))
+    except RuntimeError:  # PJRT's RESOURCE_EXHAUSTED becomes torch.OutOfMemoryError
+        from torch_tpu import _memory
+
+        _memory.raise_if_oom(index, f"a transfer of {arr.nbytes} bytes from the host")
+        raise
 
 
 def download(arr: Any) -> torch.Tensor:
@@ -266,7 +272,11 @@ def download(arr: Any) -> torch.Tensor:
                         "(resolve an executor's placeholder before reading it)")
     _metrics.tick()
     _checks.raise_pending()
-    np_arr = np.asarray(arr)
+    try:
+        np_arr = np.asarray(arr)
+    except RuntimeError:  # PJRT's RESOURCE_EXHAUSTED (of the work that computes it) becomes torch.OutOfMemoryError
+        _raise_if_oom(arr)
+        raise
     dtype = torch_dtype(np_arr.dtype)
     as_int = _VIEW_AS_INT.get(dtype)
     if as_int is not None:
@@ -275,6 +285,14 @@ def download(arr: Any) -> torch.Tensor:
         np_arr = np_arr.copy()
     out = torch.from_numpy(np_arr)
     return out.view(dtype) if as_int is not None else out
+
+
+def _raise_if_oom(arr: Any) -> None:
+    """In an `except` block for waiting on `arr`: PJRT's RESOURCE_EXHAUSTED raised as torch.OutOfMemoryError. An
+    asynchronously dispatched program reports its failed allocation when its result is waited for."""
+    from torch_tpu import _memory
+
+    _memory.raise_if_oom(index_of(arr), f"the queued work that computes a result of {arr.nbytes} bytes")
 
 
 def synchronize(index: int | None = None) -> None:
@@ -297,5 +315,6 @@ def synchronize(index: int | None = None) -> None:
         except RuntimeError:
             # Another thread's program consumed (donated) it meanwhile: its work is that program's outputs.
             if not a.is_deleted():
+                _raise_if_oom(a)
                 raise
     _checks.raise_pending()  # an out-of-range index of an earlier op raises here (torch_tpu/_checks.py)

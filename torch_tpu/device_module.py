@@ -291,14 +291,31 @@ def live_storages() -> int:
     return int(_C._live_buffers())
 
 
-def memory_allocated(d: DeviceLike = None) -> int:
-    """Bytes held by live device arrays on the device."""
-    if not is_initialized():
-        return 0
-    import jax
+# Memory statistics with CUDA's names, limits and torch.OutOfMemoryError (torch_tpu/_memory.py; the C++
+# accounting is runtime/TpuAllocator.cpp's, which torch.accelerator.memory_* read too).
+from torch_tpu._memory import (  # noqa: E402
+    empty_cache,
+    get_per_process_memory_fraction,
+    max_memory_allocated,
+    max_memory_reserved,
+    mem_get_info,
+    memory_allocated,
+    memory_reserved,
+    memory_stats,
+    memory_stats_as_nested_dict,
+    memory_summary,
+    reset_accumulated_memory_stats,
+    reset_max_memory_allocated,
+    reset_peak_memory_stats,
+    set_per_process_memory_fraction,
+)
 
-    dev = _runtime.device(_index(d))
-    return sum(a.nbytes for a in jax.live_arrays() if dev in a.devices())
+__all__ += [
+    "empty_cache", "get_per_process_memory_fraction", "max_memory_allocated", "max_memory_reserved",
+    "mem_get_info", "memory_reserved", "memory_stats", "memory_stats_as_nested_dict", "memory_summary",
+    "reset_accumulated_memory_stats", "reset_max_memory_allocated", "reset_peak_memory_stats",
+    "set_per_process_memory_fraction",
+]
 
 
 # ---- execution modes and metrics ----
