@@ -114,3 +114,36 @@ def test_compiled_assert_raises_at_the_next_sync() -> None:
     assert torch.equal(cf(good).cpu(), f(good.cpu()))  # raised once, the same program keeps working
     with pytest.raises(RuntimeError, match="sum must be positive"):
         f(bad.cpu())  # CPU's error for the same input, at the op
+
+
+def test_graph_assertions_through_the_trace_lowerings() -> None:
+    """What torch.compile graphs carry: `_assert_scalar` on a value known at trace time (a shape) raises then,
+    with the graph's message; on a traced value, and `_functional_assert_async.msg`, it is a device flag of the
+    program (raised when the program's flags are registered)."""
+    import jax
+    import jax.numpy as jnp
+
+    from torch_tpu import _trace
+
+    with _checks.collecting() as found:
+        assert _trace.trace_call("_assert_scalar", (True, "fine"), {}) is None
+        with pytest.raises(RuntimeError, match="^Runtime assertion failed for u0 > 2$"):
+            _trace.trace_call("_assert_scalar", (False, "Runtime assertion failed for u0 > 2"), {})
+    assert not found
+
+    def program(v):
+        with _checks.collecting() as found:
+            _trace.trace_call("_assert_scalar", (v > 0, "v must be positive"), {})
+            token = _trace.trace_call("_functional_assert_async.msg", (v < 10, "v below 10", jnp.zeros(())), {})
+        return token, dict(found)
+
+    prog = jax.jit(program)
+    for v, error in ((3, None), (-1, "v must be positive"), (12, "v below 10")):
+        _, flags = prog(jnp.asarray(v))
+        assert len(flags) == 2
+        _checks.register(flags)
+        if error is None:
+            torch.tpu.synchronize()
+        else:
+            with pytest.raises(RuntimeError, match=f"^{error}"):
+                torch.tpu.synchronize()

@@ -102,8 +102,9 @@ def _mlp():
     return mlp
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw_fused"])
-def test_float16_autocast_mlp_trains_like_cpu(fused: bool) -> None:
+@pytest.mark.parametrize("fused,mode", [(False, "DEFER_NEVER"), (True, "DEFER_NEVER"), (True, "DEFER_AND_FUSE")],
+                         ids=["adamw", "adamw_fused", "adamw_fused_DEFER_AND_FUSE"])
+def test_float16_autocast_mlp_trains_like_cpu(fused: bool, mode: str) -> None:
     """examples/mlp.py under float16 autocast with GradScaler, 9 steps; step 3's batch holds an inf, so its
     gradients are not finite: the step is skipped and the scale backs off; growth_interval=2 makes it grow too."""
     mlp = _mlp()
@@ -116,16 +117,17 @@ def test_float16_autocast_mlp_trains_like_cpu(fused: bool) -> None:
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=fused)
         scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 12, growth_interval=2)
         losses, scales = [], []
-        for x, y in data:
-            x, y = x.to(device), y.to(device)
-            opt.zero_grad()
-            with torch.autocast(device, dtype=torch.float16):
-                loss = loss_fn(m(x), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            losses.append(loss.item())
-            scales.append(scaler.get_scale())
+        with torch.tpu.set_eager_mode(mode if device == "tpu" else "DEFER_NEVER"):
+            for x, y in data:
+                x, y = x.to(device), y.to(device)
+                opt.zero_grad()
+                with torch.autocast(device, dtype=torch.float16):
+                    loss = loss_fn(m(x), y)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                losses.append(loss.item())
+                scales.append(scaler.get_scale())
         runs[device] = (torch.tensor(losses), scales, [p.detach().cpu() for p in m.parameters()])
     cpu, tpu = runs["cpu"], runs["tpu"]
     assert tpu[1] == cpu[1], (tpu[1], cpu[1])  # the same scale sequence: backoff at step 3, growth every 2
