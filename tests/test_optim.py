@@ -141,3 +141,22 @@ def test_fused_step_is_one_program(name: str) -> None:
     opt.step()
     launched = sum(p.cache_info().misses + p.cache_info().hits for p in progs)
     assert launched == 1, "one fused program for all 6 parameters"
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+def test_fused_learning_rate_tensor_on_the_device(name: str) -> None:
+    """A learning rate held in a tensor on the parameters' device (the `.tensor_lr` overloads, as capturable
+    code on CUDA keeps it) is read inside the program."""
+    res = {}
+    for dev in ("cpu", "tpu"):
+        p = nn.Parameter(torch.arange(5.0).to(dev))
+        lr = torch.tensor(0.05, device=dev)
+        opt = (torch.optim.Adam([p], lr=lr, fused=True) if name == "adam"
+               else torch.optim.SGD([p], lr=lr, momentum=0.9, fused=True))
+        for _ in range(3):
+            (p * p).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            lr.mul_(0.5)
+        res[dev] = p.detach().cpu()
+    torch.testing.assert_close(res["tpu"], res["cpu"], rtol=1e-6, atol=1e-7)
