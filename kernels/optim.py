@@ -24,7 +24,7 @@ import torch
 
 from torch_tpu import _executor, _storage
 from torch_tpu._jax import jnp
-from torch_tpu.kernels.registry import direct
+from torch_tpu.kernels.registry import direct, lower
 
 
 def _adam_update(adamw: bool, amsgrad: bool, maximize: bool, decay: bool, params: list, grads: list,
@@ -354,3 +354,17 @@ def _amp_update_scale_(self, growth_tracker, found_inf, scale_growth_factor, sca
 
 direct("_amp_foreach_non_finite_check_and_unscale_", defer=True)(_amp_foreach_non_finite_check_and_unscale_)
 direct("_amp_update_scale_", defer=True)(_amp_update_scale_)
+
+
+# torch.compile graphs carry the functional forms (AOTAutograd functionalizes the in-place kernels above)
+
+@lower("_amp_foreach_non_finite_check_and_unscale", trace_only=True, variants=False)
+def amp_unscale_traced(self: list, found_inf: Any, inv_scale: Any) -> tuple:
+    return _unscale(list(self), found_inf, inv_scale)
+
+
+@lower("_amp_update_scale", trace_only=True, variants=False)
+def amp_update_scale_traced(self: Any, growth_tracker: Any, found_inf: Any, scale_growth_factor: float,
+                            scale_backoff_factor: float, growth_interval: int) -> tuple:
+    return _update_scale(self, growth_tracker, found_inf, scale_growth_factor, scale_backoff_factor,
+                         growth_interval)

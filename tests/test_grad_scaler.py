@@ -140,3 +140,32 @@ def test_float16_autocast_mlp_trains_like_cpu(fused: bool, mode: str) -> None:
     for a, b in zip(cpu[2], tpu[2]):
         d = (b - a).abs()
         assert d.max() <= 1e-3 * len(data) and d.mean() <= 5e-5, (d.max(), d.mean())  # measured: 1e-5 at most
+
+
+def test_compiled_unscale_and_update_like_cpu() -> None:
+    """Under torch.compile(backend="tpu") the functional forms AOTAutograd makes of both kernels are lowered into
+    the graph's program."""
+    def step(grads, found, inv, scale, tracker):
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        torch._amp_update_scale_(scale, tracker, found, 2.0, 0.5, 2)
+        return grads[0] + 1
+
+    def run(device, compiled):
+        fn = torch.compile(step, backend="tpu", fullgraph=True) if compiled else step
+        scale = torch.full((), 1024.0, device=device)
+        tracker = torch.zeros((), dtype=torch.int32, device=device)
+        seq = []
+        for k in range(5):
+            grads = [g.to(device) for g in _grads(torch.float32, INF if k == 2 else None, 0)]
+            found = torch.zeros((), device=device)
+            out = fn(grads, found, torch.full((), 1 / 1024, device=device), scale, tracker)
+            seq.append((out.cpu(), [g.cpu() for g in grads], found.item(), scale.item(), int(tracker.item())))
+        return seq
+
+    cpu, tpu = run("cpu", False), run("tpu", True)
+    for a, b in zip(cpu, tpu):
+        torch.testing.assert_close(b[0], a[0], equal_nan=True)
+        for x, y in zip(a[1], b[1]):
+            torch.testing.assert_close(y, x, rtol=0, atol=0, equal_nan=True)
+        assert b[2:] == a[2:], (b[2:], a[2:])
+    assert [s[3] for s in cpu] == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0]
