@@ -3,16 +3,17 @@ fused=True)`, `AdamW(..., fused=True)` and `SGD(..., fused=True)` call), one pro
 group's lists; and GradScaler's two kernels, `_amp_foreach_non_finite_check_and_unscale_` and `_amp_update_scale_`,
 each one program too (their results stay on the device: GradScaler reads found_inf only where CUDA does).
 
-The arithmetic follows ATen's CPU fused kernels (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, FusedSGDKernel.cpp): per parameter the
-bias corrections come from its own step count, computed in float64 like the CPU kernel's doubles; each element
-is computed in its tensor's dtype (float32 for float32 tensors, float32 for bfloat16/half as CPU's opmath); with
-`grad_scale` the gradients are unscaled and written back unscaled; with `found_inf` equal to 1 nothing changes.
-The step counts are not incremented here (the optimizer does it before the call).
+The arithmetic follows ATen's CPU fused kernels (aten/src/ATen/native/cpu/FusedAdamKernel.cpp and
+FusedSGDKernel.cpp, AmpKernels.cpp): for Adam, per parameter the bias corrections come from its own step count,
+computed in float64 like the CPU kernel's doubles; each element is computed in its tensor's dtype (float32 for
+float32 tensors, float32 for bfloat16/half as CPU's opmath); with `grad_scale` the gradients are unscaled and
+written back unscaled; with `found_inf` equal to 1 nothing changes. The step counts are not incremented here (the
+optimizer does it before the call).
 
 Hyperparameters are dynamic values of the program: a learning-rate schedule does not recompile. There is no trace
-lowering of the functional form (`_fused_adam`): PyTorch runs fused optimizers outside compiled graphs
-(`torch.compiler.disable`), and functionalizing a direct call of `_fused_adam_` fails in PyTorch 2.13 itself
-("mutating a non-functional tensor with a functional tensor").
+lowering of the optimizers' functional forms (`_fused_adam`, `_fused_sgd`): PyTorch runs fused optimizers outside
+compiled graphs (`torch.compiler.disable`), and functionalizing a direct call of `_fused_adam_` fails in PyTorch
+2.13 itself ("mutating a non-functional tensor with a functional tensor").
 """
 
 from __future__ import annotations

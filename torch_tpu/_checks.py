@@ -24,8 +24,9 @@ executor's program and hands it to `register` (under DEFER_AND_FUSE the flag is 
 graph, computed when it is read: holding it keeps the assertion from being dropped with a graph whose results
 are all dead).
 
-`TORCH_TPU_INDEX_CHECKS=0` (or `set_enabled(False)`) turns the checks (assertions included) off: an UNSAFE opt-out that exists to
-measure their cost (tools/bench.py); out-of-range indices then give unspecified values silently.
+`TORCH_TPU_INDEX_CHECKS=0` (or `set_enabled(False)`) turns the checks (assertions included) off: an UNSAFE
+opt-out that exists to measure their cost (tools/bench.py); out-of-range indices then give unspecified values
+silently.
 """
 
 from __future__ import annotations
