@@ -83,7 +83,8 @@ def lower(
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         for name in names:
-            if name in LOWERINGS or name in DIRECT:
+            # (a trace-only lowering may be the graph form of a direct kernel of the same overload)
+            if name in LOWERINGS or (name in DIRECT and not trace_only):
                 raise RuntimeError(f"torch_tpu: aten::{name} is registered twice")
             LOWERINGS[name] = Lowering(name, fn, promote, tuple(promote_args), jit, variants, cpu_tensors,
                                        broadcasts, trace_only, checks, validate)
@@ -98,7 +99,7 @@ def direct(*names: str, defer: bool = False, graph: Callable[..., Any] | None = 
     DEFER_AND_FUSE (see DEFERRABLE); `graph` is its decomposition for torch.compile graphs (GRAPH_DECOMPOSITIONS)."""
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         for name in names:
-            if name in LOWERINGS or name in DIRECT:
+            if name in DIRECT or (name in LOWERINGS and not LOWERINGS[name].trace_only):
                 raise RuntimeError(f"torch_tpu: aten::{name} is registered twice")
             DIRECT[name] = fn
             if defer:

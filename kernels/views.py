@@ -20,7 +20,7 @@ import torch
 
 from torch_tpu import _runtime
 from torch_tpu._executor import next_trace_key
-from torch_tpu._checks import report_bad_index
+from torch_tpu._checks import report_assert, report_bad_index
 from torch_tpu._jax import jax, jnp, lax
 from torch_tpu.kernels.registry import lower
 
@@ -224,6 +224,13 @@ def sym_numel(self: Any) -> int:
 
 @lower("_assert_scalar", **_T)
 def _assert_scalar(self: Any, assert_msg: str) -> None:
+    """A graph's runtime assertion on a symbolic value: a value known when the graph is traced (a shape) is
+    checked then, as CPU checks it; a traced one is a device-side assertion (kernels/asserts.py)."""
+    if isinstance(self, (bool, int)):
+        if not self:
+            raise RuntimeError(assert_msg)
+        return None
+    report_assert("_assert_scalar", jnp.asarray(self), assert_msg)
     return None
 
 

@@ -1,4 +1,5 @@
-"""Value-dependent errors (index bounds) computed on the device and raised at the next synchronization point.
+"""Value-dependent errors (index bounds, `_assert_async`) computed on the device and raised at the next
+synchronization point.
 
 CPU PyTorch raises at the op when an index is out of range; CUDA raises a device-side assert that surfaces at the
 next synchronization. torch_tpu does what CUDA does, without a host round trip per op:
@@ -17,8 +18,15 @@ next synchronization. torch_tpu does what CUDA does, without a host round trip p
   DEFER_NEVER_AND_LAUNCH_BLOCKING the flags are read right after the op. The pending list is bounded: past
   `_MAX_PENDING` flags the oldest half is read (those ops are done by then).
 
-`TORCH_TPU_INDEX_CHECKS=0` (or `set_enabled(False)`) turns the checks off: an UNSAFE opt-out that exists to
-measure their cost (tools/bench.py); out-of-range indices then give unspecified values silently.
+Assertions (`torch._assert_async(cond[, msg])`, CUDA's device-side assert) are the same kind of flag,
+`[cond == 0, 0]`: a traced graph reports them with `report_assert`; an eager kernel computes the flag with an
+executor's program and hands it to `register` (under DEFER_AND_FUSE the flag is a placeholder of the pending
+graph, computed when it is read: holding it keeps the assertion from being dropped with a graph whose results
+are all dead).
+
+`TORCH_TPU_INDEX_CHECKS=0` (or `set_enabled(False)`) turns the checks (assertions included) off: an UNSAFE
+opt-out that exists to measure their cost (tools/bench.py); out-of-range indices then give unspecified values
+silently.
 """
 
 from __future__ import annotations
@@ -93,6 +101,32 @@ def report_bad_index(op: str, index: Any, size: int, dim: int = 0, *, negative: 
         return
     flag = _flag(index, lo, size) if isinstance(index, jax.core.Tracer) else _flag_jit(index, lo, size)
     found[f"{len(found):04d}|{error.__name__}|{text}"] = flag
+
+
+ASSERT = "assert"  # the first field of an assertion's key: its text is the user's, nothing is filled in
+
+
+def assert_flag(value: Any) -> Any:
+    """The flag of an assertion on a one-element array: bad when its value is zero (False)."""
+    bad = (value.reshape(()) == 0).astype(jnp.int64)
+    return jnp.stack([bad, jnp.zeros((), jnp.int64)])
+
+
+def assert_key(message: str, error: type[Exception] = RuntimeError) -> str:
+    return f"{ASSERT}|{error.__name__}|{message}"
+
+
+def report_assert(op: str, value: Any, message: str, error: type[Exception] = RuntimeError) -> None:
+    """Asserts, on the device, that the one-element array `value` is nonzero; called by lowerings while a graph is
+    traced (torch.compile). The error (type `error`, text `message`) is raised at the next synchronization point."""
+    found = getattr(_tls, "found", None)
+    if found is _UNDECLARED or found is None:
+        raise RuntimeError(
+            f"torch_tpu internal error: {op}'s assertion was traced outside an executor that collects device-side "
+            "checks (trace it under torch_tpu._checks.collecting())")
+    if not enabled or found is _DISCARD:
+        return
+    found[f"{ASSERT}{len(found):04d}|{error.__name__}|{message}"] = assert_flag(value)
 
 
 # ---- the executor side ----
@@ -267,11 +301,16 @@ def _read_flags(arrays: list[Any]) -> Any:
 def _raise_first(items: list[tuple[str, Any]], at_op: bool) -> None:
     if not items:
         return
+    # An executor's placeholder (a DEFER_AND_FUSE assertion's flag not computed yet) is computed now: this is a
+    # synchronization point.
+    items = [(k, a.concrete("check") if hasattr(a, "concrete") else a) for k, a in items]
     values = _read_flags([a for _, a in items])
     for (key, arr), v in zip(items, values):
         if int(v[0]):
             _, error, text = key.split("|", 2)
-            raise _error(error, text.replace("{value}", str(int(v[1]))), arr, at_op)
+            if not key.startswith(ASSERT):
+                text = text.replace("{value}", str(int(v[1])))
+            raise _error(error, text, arr, at_op)
 
 
 def _error(error: str, text: str, arr: Any, at_op: bool) -> Exception:

@@ -157,7 +157,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("TORCH_TPU_FUSE_MAX_OPS", positive_int, 1000, "DEFER_AND_FUSE: ops in one pending graph before it runs"),
     Var("TORCH_TPU_FUSE_CACHE", positive_int, 512, "DEFER_AND_FUSE: compiled fused programs kept (LRU)"),
     Var("TORCH_TPU_INDEX_CHECKS", boolean(True), True,
-        "device-side index bound checks; 0 is an UNSAFE opt-out (out-of-range indices give wrong values)"),
+        "device-side index bound checks and `_assert_async` assertions; 0 is an UNSAFE opt-out (out-of-range "
+        "indices give wrong values)"),
     Var("TORCH_TPU_RECOMPILE_WARN", Parser(_recompile_warn, "an integer; 0 (or negative) turns the warning off"),
         8, "warn once a call site compiled this many different input shapes"),
     Var("TORCH_TPU_CACHE", boolean(True), True, "the persistent compile cache"),
