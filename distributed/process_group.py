@@ -423,8 +423,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         fdtype = torch.float64 if wide else torch.float32
         if isinstance(factor, torch.Tensor):
             if factor.device.type == "tpu":
-                self._check_tensor(f"{what} (PREMUL_SUM factor)", factor)
-                (array,) = self._read(what, [factor])
+                (array,) = self._read(f"{what} (PREMUL_SUM factor)", [factor])
                 return [array.reshape((1,)).astype(_runtime.jax_dtype(fdtype))]
             factor = factor.reshape(1).to(fdtype)
         else:
