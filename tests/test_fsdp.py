@@ -54,9 +54,9 @@ def _optimizer(params, bf16: bool):
 
 def _reference(n: int, bf16: bool) -> tuple[list[float], list[list], list[list]]:
     """CPU training on the full batch: (loss, gradients, parameters after the step) per step. With bf16, the step
-    FSDP's
-    MixedPrecisionPolicy performs, done on CPU: each rank's forward and backward on a bfloat16 copy of the float32
-    parameters, its gradients cast to float32 and averaged over the ranks, AdamW on the float32 parameters."""
+    FSDP's MixedPrecisionPolicy performs, done on CPU: each rank's forward and backward on a bfloat16 copy of the
+    float32 parameters, its gradients cast to float32 and averaged over the ranks, AdamW on the float32
+    parameters."""
     import torch
     import torch.nn.functional as F
 
@@ -182,7 +182,8 @@ def _train(rank: int, n: int, dev, reshard: bool, bf16: bool, premul: bool) -> N
         print(f"rank {rank} step {step} loss {mean_loss.item():.6f} ref {ref_losses[step]:.6f}", flush=True)
     if bf16:
         print(f"rank {rank}: bfloat16 vs CPU: gradients within {worst['grad']:.2%} (norm), weights within "
-              f"{worst['param']:.2e} (at most {worst['apart']:.1%} of a tensor's weights more than lr/2 apart, step {worst['at']})", flush=True)
+              f"{worst['param']:.2e} (at most {worst['apart']:.1%} of a tensor's weights more than lr/2 apart, "
+              f"step {worst['at']})", flush=True)
 
 
 if __name__ != "__main__":
