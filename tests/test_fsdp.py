@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
@@ -97,7 +98,9 @@ def _scenario_fsdp() -> None:
 
     from test_distributed import _init
 
+    t0 = time.monotonic()
     rank, n, dev = _init()
+    print(f"rank {rank}: group up in {time.monotonic() - t0:.1f} s", flush=True)
     # Which reduce op FSDP hands tpu_dist for its gradients (the point of the PREMUL_SUM case).
     seen_ops: list[str] = []
     reduce_scatter_single = dist.reduce_scatter_single
@@ -110,10 +113,12 @@ def _scenario_fsdp() -> None:
     for case in os.environ["TEST_CASES"].split(","):
         parts = case.split("-")
         seen_ops.clear()
+        t0 = time.monotonic()
         _train(rank, n, dev, reshard=parts[0] == "reshard", bf16=parts[1] == "bf16", premul="premul" in parts)
         want = "RedOpType.PREMUL_SUM" if "premul" in parts else "RedOpType.AVG"
         assert seen_ops and set(seen_ops) == {want}, seen_ops
-        print(f"rank {rank}: {case} ok ({len(seen_ops)} reduce-scatters with {want})", flush=True)
+        print(f"rank {rank}: {case} ok ({len(seen_ops)} reduce-scatters with {want}, "
+              f"{time.monotonic() - t0:.1f} s)", flush=True)
     dist.destroy_process_group()
     print(f"rank {rank}: fsdp ok", flush=True)
 
