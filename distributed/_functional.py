@@ -26,6 +26,12 @@ def _group(name: Any) -> Any:
 
 
 def _op(reduce_op: str) -> Any:
+    if reduce_op.lower() == "premul_sum":
+        # The functional ops name their reduction by a string, so a PREMUL_SUM factor cannot reach them (PyTorch's
+        # own c10d functional kernels do not accept "premul_sum" either).
+        raise ValueError("tpu_dist: functional collectives cannot take reduce op 'premul_sum': a string carries no "
+                         "factor. Multiply the input by the factor and use 'sum', or call dist.all_reduce / "
+                         "dist.reduce_scatter_tensor with op=dist._make_nccl_premul_sum(factor).")
     try:
         return _OPS[reduce_op.lower()]
     except KeyError:

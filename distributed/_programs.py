@@ -15,7 +15,7 @@ from typing import Any, Callable
 from torch_tpu._jax import jax, jnp, lax
 
 AXIS = "r"
-REDUCE_OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor")
+REDUCE_OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum")
 
 
 def _reduce_gathered(g: Any, op: str) -> Any:
@@ -53,9 +53,19 @@ def _mask_from_root(v: Any, root: int) -> Any:
 
 # ---- bodies: each sees this rank's local arrays and returns this rank's local results ----
 
+def _premultiplied(xs: tuple, op: str) -> tuple[tuple, str]:
+    """PREMUL_SUM: the last input is this rank's factor, shape (1,); each tensor is multiplied by it, cast to
+    the tensor's dtype (as NCCL casts its scalar), then summed."""
+    if op != "premul_sum":
+        return xs, op
+    *xs, factor = xs
+    return tuple(x * factor.reshape(()).astype(x.dtype) for x in xs), "sum"
+
+
 def allreduce(op: str, n: int) -> Callable[..., Any]:
     def body(*xs: Any) -> tuple:
-        return tuple(_allreduce_value(x, op, n) for x in xs)
+        xs, red = _premultiplied(xs, op)
+        return tuple(_allreduce_value(x, red, n) for x in xs)
     return body
 
 
@@ -77,13 +87,14 @@ def _with_axis0(v: Any) -> Any:
 
 def reduce_scatter(op: str, n: int, tiled: bool) -> Callable[..., Any]:
     """Local input (n, *chunk), or (n * k, *rest) when tiled: rank i gets the reduction over ranks of chunk i."""
-    def body(v: Any) -> Any:
-        if op in ("sum", "avg") and v.dtype != jnp.bool_:
+    def body(*xs: Any) -> Any:
+        (v,), red = _premultiplied(xs, op)
+        if red in ("sum", "avg") and v.dtype != jnp.bool_:
             out = lax.psum_scatter(v, AXIS, scatter_dimension=0, tiled=tiled)
-            if op == "avg":
+            if red == "avg":
                 out = (out / n).astype(v.dtype)
         else:
-            full = _allreduce_value(v, op, n)
+            full = _allreduce_value(v, red, n)
             if tiled:
                 k = v.shape[0] // n
                 out = lax.dynamic_slice_in_dim(full, lax.axis_index(AXIS) * k, k, 0)
@@ -128,8 +139,11 @@ def swap() -> Callable[..., Any]:
 _cache: dict[tuple, Any] = {}
 
 
-def program(kind: str, ranks: tuple[int, ...], static: tuple, n_in: int, build: Callable[[], Callable]) -> Any:
-    key = (kind, ranks, static, n_in)
+def program(kind: str, ranks: tuple[int, ...], static: tuple, n_in: int, build: Callable[[], Callable],
+            n_out: int | None = None) -> Any:
+    """n_out: the number of results when it differs from n_in (PREMUL_SUM's factor is an input only)."""
+    n_out = n_in if n_out is None else n_out
+    key = (kind, ranks, static, n_in, n_out)
     fn = _cache.get(key)
     if fn is None:
         from jax.sharding import PartitionSpec as P
@@ -137,10 +151,11 @@ def program(kind: str, ranks: tuple[int, ...], static: tuple, n_in: int, build: 
         from torch_tpu.distributed import _world
 
         specs = tuple(P(AXIS) for _ in range(n_in))
+        out_specs = tuple(P(AXIS) for _ in range(n_out))
         body = build()
-        multi_out = n_in > 1 or kind in ("allreduce", "broadcast")
+        multi_out = n_out > 1 or kind in ("allreduce", "broadcast")
         fn = jax.jit(jax.shard_map(body, mesh=_world.mesh(ranks), in_specs=specs,
-                                   out_specs=specs if multi_out else P(AXIS)))
+                                   out_specs=out_specs if multi_out else P(AXIS)))
         _cache[key] = fn
     return fn
 
@@ -149,9 +164,11 @@ def clear() -> None:
     _cache.clear()
 
 
-def run(kind: str, ranks: tuple[int, ...], static: tuple, arrays: list, build: Callable[[], Callable]) -> list:
+def run(kind: str, ranks: tuple[int, ...], static: tuple, arrays: list, build: Callable[[], Callable],
+        n_out: int | None = None) -> list:
     """Runs a collective over the devices of `ranks`; `arrays` are this rank's local values. Returns this
-    rank's local results. Scalars travel as shape (1,) (a shard needs an axis 0)."""
+    rank's local results (the first n_out arrays' layouts). Scalars travel as shape (1,) (a shard needs an
+    axis 0)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from torch_tpu.distributed import _world
@@ -162,7 +179,7 @@ def run(kind: str, ranks: tuple[int, ...], static: tuple, arrays: list, build: C
     arrays = [a.reshape(1) if s else a for a, s in zip(arrays, scalars)]
     glob = [jax.make_array_from_single_device_arrays((n * a.shape[0],) + tuple(a.shape[1:]), sharding, [a])
             for a in arrays]
-    out = program(kind, ranks, static, len(arrays), build)(*glob)
+    out = program(kind, ranks, static, len(arrays), build, n_out)(*glob)
     if not isinstance(out, (tuple, list)):
         out = (out,)
     local = [o.addressable_shards[0].data for o in out]

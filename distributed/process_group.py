@@ -36,7 +36,7 @@ BACKEND_NAME = "tpu_dist"
 _REDUCE_NAMES = {
     dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.PRODUCT: "product",
     dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max", dist.ReduceOp.BAND: "band", dist.ReduceOp.BOR: "bor",
-    dist.ReduceOp.BXOR: "bxor",
+    dist.ReduceOp.BXOR: "bxor", dist.ReduceOp.PREMUL_SUM: "premul_sum",
 }
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
@@ -79,9 +79,54 @@ def _reduce_name(op: Any, what: str) -> str:
             name = None
     if name is None:
         raise ValueError(
-            f"tpu_dist: {what} does not support reduce op {op}; use SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR or BXOR."
+            f"tpu_dist: {what} does not support reduce op {op}; use SUM, AVG, PRODUCT, MIN, MAX, PREMUL_SUM, BAND, "
+            "BOR or BXOR."
         )
     return name
+
+
+# The dtype rules NCCL applies (ProcessGroupNCCL), plus gloo's bitwise ops on integers: a reduction that has no
+# meaning for a dtype is an error before anything is sent, never a value computed some other way.
+_FLOAT_ONLY = {"avg": "AVG", "premul_sum": "PREMUL_SUM"}
+_INTEGER_ONLY = {"band": "BAND", "bor": "BOR", "bxor": "BXOR"}
+_NOT_COMPLEX = {"min": "MIN", "max": "MAX", **_INTEGER_ONLY}
+
+
+def _reduce_op(opts_op: Any, what: str, tensors: Sequence[torch.Tensor]) -> tuple[str, Any]:
+    """(op name, PREMUL_SUM factor or None) for `opts_op`, after checking it applies to every tensor's dtype."""
+    name = _reduce_name(opts_op, what)
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue  # _check_tensor reports it
+        if name in _FLOAT_ONLY and not (t.is_floating_point() or t.is_complex()):
+            raise RuntimeError(
+                f"tpu_dist: {what} with ReduceOp.{_FLOAT_ONLY[name]} needs floating point tensors, got "
+                f"{_describe(t)} (as with NCCL); use SUM and divide or scale yourself, or convert to float."
+            )
+        if name in _INTEGER_ONLY and (t.is_floating_point() or t.is_complex()):
+            raise RuntimeError(
+                f"tpu_dist: {what} with ReduceOp.{_INTEGER_ONLY[name]} needs integer or bool tensors, got "
+                f"{_describe(t)}; a bitwise reduction of floating point values has no meaning (view the bits as "
+                "an integer dtype with .view(torch.int32) if that is what you want)."
+            )
+        if name in _NOT_COMPLEX and t.is_complex():
+            raise RuntimeError(
+                f"tpu_dist: {what} with ReduceOp.{_NOT_COMPLEX[name]} does not apply to complex tensors, got "
+                f"{_describe(t)}; use SUM, AVG, PRODUCT or PREMUL_SUM, or reduce torch.view_as_real(t)."
+            )
+    if name != "premul_sum":
+        return name, None
+    factor = opts_op.factor  # a Python float or a one-element tensor (dist._make_nccl_premul_sum)
+    if isinstance(factor, torch.Tensor):
+        if factor.numel() != 1 or not factor.is_floating_point():
+            raise RuntimeError(
+                f"tpu_dist: {what} with ReduceOp.PREMUL_SUM: the factor must be a one-element floating point "
+                f"tensor, got {_describe(factor)} on {factor.device}."
+            )
+        if factor.device.type not in ("tpu", "cpu"):
+            raise RuntimeError(f"tpu_dist: {what} with ReduceOp.PREMUL_SUM: the factor tensor is on "
+                               f"{factor.device}; pass a tpu (or cpu) tensor or a Python float.")
+    return name, factor
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -361,26 +406,40 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
     # -- allreduce --
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TpuWork:
-        op = _reduce_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce")
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         return self._allreduce("all_reduce", tensors, op)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TpuWork:
-        op = _reduce_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce_coalesced")
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         return self._allreduce("all_reduce_coalesced", tensors, op)
 
-    def _allreduce(self, what: str, tensors: list[torch.Tensor], op: str) -> TpuWork:
-        arrays = self._read(what, tensors)
-        if op == "avg":
-            for t in tensors:
-                if not (t.is_floating_point() or t.is_complex()):
-                    raise RuntimeError(f"tpu_dist: {what} with ReduceOp.AVG needs floating point tensors, got "
-                                       f"{_describe(t)}; use SUM and divide, or convert to float.")
+    def _factor(self, what: str, factor: Any, tensors: Sequence[torch.Tensor]) -> list[Any]:
+        """[] or, for PREMUL_SUM, [this rank's factor as a (1,) device array]: the program's last input, which
+        multiplies each tensor (cast to its dtype, as NCCL casts the factor) before the sum. float64 when a
+        tensor is float64, else float32 (a changing factor is a value, not a recompile)."""
+        if factor is None:
+            return []
+        wide = any(t.dtype in (torch.float64, torch.complex128) for t in tensors)
+        fdtype = torch.float64 if wide else torch.float32
+        if isinstance(factor, torch.Tensor):
+            if factor.device.type == "tpu":
+                (array,) = self._read(f"{what} (PREMUL_SUM factor)", [factor])
+                return [array.reshape((1,)).astype(_runtime.jax_dtype(fdtype))]
+            factor = factor.reshape(1).to(fdtype)
+        else:
+            factor = torch.tensor([float(factor)], dtype=fdtype)
+        return [_runtime.upload(factor, self._device_index())]
+
+    def _allreduce(self, what: str, tensors: list[torch.Tensor], opts_op: Any) -> TpuWork:
+        op, factor = _reduce_op(opts_op, what, tensors)
+        arrays = self._read(what, tensors) + self._factor(what, factor, tensors)
         desc = self._descriptor(what, 0, tensors)
         n = self.size()
 
         def fn() -> list[torch.Tensor]:
             self._exchange(what, desc)
-            outs = _programs.run("allreduce", self.ranks, (op, n), arrays, lambda: _programs.allreduce(op, n))
+            outs = _programs.run("allreduce", self.ranks, (op, n), arrays, lambda: _programs.allreduce(op, n),
+                                 n_out=len(tensors))
             for t, v in zip(tensors, outs):
                 self._write(t, v)
             return list(tensors)
@@ -406,15 +465,16 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TpuWork:
         root = opts.rootRank
-        op = _reduce_name(opts.reduceOp, "reduce")
         what = "reduce"
-        arrays = self._read(what, tensors)
+        op, factor = _reduce_op(opts.reduceOp, what, tensors)
+        arrays = self._read(what, tensors) + self._factor(what, factor, tensors)
         desc = self._descriptor(what, root, tensors)
         n = self.size()
 
         def fn() -> list[torch.Tensor]:
             self._exchange(what, desc)
-            outs = _programs.run("allreduce", self.ranks, (op, n), arrays, lambda: _programs.allreduce(op, n))
+            outs = _programs.run("allreduce", self.ranks, (op, n), arrays, lambda: _programs.allreduce(op, n),
+                                 n_out=len(tensors))
             if self.rank() == root:
                 for t, v in zip(tensors, outs):
                     self._write(t, v)
@@ -508,14 +568,15 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
     # -- reduce_scatter --
     def _reduce_scatter(self, what: str, stacked_in: Any, in_desc: list[torch.Tensor], out: torch.Tensor,
-                        op: str, tiled: bool = False) -> TpuWork:
+                        op: str, factor: Any, tiled: bool = False) -> TpuWork:
         desc = self._descriptor(what, 0, in_desc)
         n = self.size()
+        arrays = [stacked_in] + self._factor(what, factor, [out])
 
         def fn() -> list[torch.Tensor]:
             self._exchange(what, desc)
-            (v,) = _programs.run("reduce_scatter", self.ranks, (op, n, tiled), [stacked_in],
-                                 lambda: _programs.reduce_scatter(op, n, tiled))
+            (v,) = _programs.run("reduce_scatter", self.ranks, (op, n, tiled), arrays,
+                                 lambda: _programs.reduce_scatter(op, n, tiled), n_out=1)
             self._write(out, v if tuple(v.shape) == tuple(out.shape) else v.reshape(tuple(out.shape)))
             return [out]
 
@@ -524,16 +585,16 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                        opts: Any = None) -> TpuWork:
         what = "reduce_scatter"
-        op = _reduce_name(opts.reduceOp, what)
         out, ins = output_tensors[0], input_tensors[0]
+        op, factor = _reduce_op(opts.reduceOp, what, [out])
         self._check_tensor(what, out)
         self._check_outputs(what, ins, out, self.size())
         arrays = self._read(what, ins)
-        return self._reduce_scatter(what, jnp.stack(arrays), list(ins), out, op)
+        return self._reduce_scatter(what, jnp.stack(arrays), list(ins), out, op, factor)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TpuWork:
         what = "reduce_scatter_tensor"
-        op = _reduce_name(opts.reduceOp, what)
+        op, factor = _reduce_op(opts.reduceOp, what, [output])
         n = self.size()
         self._check_tensor(what, output)
         if output.dtype != input.dtype or input.numel() != n * output.numel():
@@ -543,8 +604,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
             )
         (array,) = self._read(what, [input])
         if output.dim() > 0 and tuple(input.shape) == (n * output.shape[0],) + tuple(output.shape[1:]):
-            return self._reduce_scatter(what, array, [input], output, op, tiled=True)  # no reshape copy
-        return self._reduce_scatter(what, array.reshape((n,) + tuple(output.shape)), [input], output, op)
+            return self._reduce_scatter(what, array, [input], output, op, factor, tiled=True)  # no reshape copy
+        return self._reduce_scatter(what, array.reshape((n,) + tuple(output.shape)), [input], output, op, factor)
 
     _reduce_scatter_base = reduce_scatter_single
 

@@ -293,6 +293,154 @@ def _scenario_collectives() -> None:
     print(f"rank {rank}: collectives ok", flush=True)
 
 
+def _check_reduce_ops(rank: int, n: int, dev) -> None:
+    """Every ReduceOp (PREMUL_SUM with a Python float and with a per-rank tensor factor) in every collective that
+    takes one on float32 and int64 (all_reduce and reduce_scatter_tensor also on bfloat16 and bool), against
+    values reduced on CPU; complex; the functional collectives; then the dtype errors."""
+    import functools
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as fc
+
+    R = dist.ReduceOp
+
+    def val(r: int, dtype, shape):  # exact in bfloat16, products included
+        g = torch.Generator().manual_seed(1000 * r + shape[0])
+        if dtype == torch.bool:
+            return torch.randint(0, 2, shape, generator=g).bool()
+        if dtype.is_floating_point or dtype.is_complex:
+            return (torch.randint(-3, 4, shape, generator=g).to(torch.float32) / 2).to(dtype)
+        return torch.randint(-7, 8, shape, generator=g).to(dtype)
+
+    def factor(r: int, kind: str):  # PREMUL_SUM: the op (built on rank r) and rank r's factor
+        if kind == "scalar":
+            return dist._make_nccl_premul_sum(1.0 / 3.0), 1.0 / 3.0
+        f = 0.5 + r  # a different factor on each rank, as a one-element tpu tensor (NCCL: a device tensor)
+        return dist._make_nccl_premul_sum(torch.tensor([f], device=dev)), f
+
+    def oracle(name: str, xs: list, dtype):
+        if name.startswith("premul"):
+            kind = name.split(":")[1]
+            return sum(x.double() * factor(r, kind)[1] for r, x in enumerate(xs)).to(dtype)
+        s = torch.stack(xs)
+        if dtype == torch.bool and name in ("sum", "product"):
+            return s.any(0) if name == "sum" else s.all(0)
+        if name in ("band", "bor", "bxor"):
+            fn = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}[name]
+            return functools.reduce(fn, xs)
+        if name in ("min", "max"):
+            return getattr(s, name)(0).values
+        wide = s if dtype in (torch.int64, torch.bool) else s.double()
+        return {"sum": wide.sum(0), "avg": wide.mean(0) if name == "avg" else None,
+                "product": wide.prod(0)}[name].to(dtype)
+
+    def op_of(name: str):
+        if name.startswith("premul"):
+            return factor(rank, name.split(":")[1])[0]
+        return getattr(R, name.upper())
+
+    float_ops = ["sum", "avg", "product", "min", "max", "premul:scalar", "premul:tensor"]
+    int_ops = ["sum", "product", "min", "max", "band", "bor", "bxor"]
+    cases = [(torch.float32, float_ops), (torch.bfloat16, float_ops), (torch.int64, int_ops),
+             (torch.bool, int_ops)]
+    t0 = time.monotonic()
+    for dtype, names in cases:
+        for name in names:
+            what = f"{name} {dtype}"
+            xs = [val(r, dtype, (2 * n, 3)) for r in range(n)]
+            ys = [val(r, dtype, (5,)) for r in range(n)]
+            full, full_y = oracle(name, xs, dtype), oracle(name, ys, dtype)
+            # all_reduce, all_reduce_coalesced
+            t = xs[rank].to(dev)
+            dist.all_reduce(t, op=op_of(name))
+            _close(t, full, dtype)
+            mine = slice(2 * rank, 2 * rank + 2)
+            out = torch.empty(2, 3, dtype=dtype, device=dev)
+            dist.reduce_scatter_tensor(out, xs[rank].to(dev), op=op_of(name))
+            _close(out, full[mine], dtype)
+            if dtype in (torch.bfloat16, torch.bool):  # the rest shares these two's programs with another dtype
+                continue
+            ts = [xs[rank].to(dev), ys[rank].to(dev)]
+            dist.all_reduce_coalesced(ts, op=op_of(name))
+            _close(ts[0], full, dtype)
+            _close(ts[1], full_y, dtype)
+            # reduce: the root gets the reduction, the others keep their input
+            t = ys[rank].to(dev)
+            dist.reduce(t, dst=n - 1, op=op_of(name))
+            _close(t, full_y if rank == n - 1 else ys[rank], dtype)
+            # reduce_scatter (list) and coalesced reduce_scatter_tensor
+            out = torch.empty(2, 3, dtype=dtype, device=dev)
+            dist.reduce_scatter(out, list(xs[rank].to(dev).chunk(n)), op=op_of(name))
+            _close(out, full[mine], dtype)
+            zs = [val(r, dtype, (4 * n,)) for r in range(n)]
+            outs = [torch.empty(2, 3, dtype=dtype, device=dev), torch.empty(4, dtype=dtype, device=dev)]
+            with dist._coalescing_manager():
+                dist.reduce_scatter_tensor(outs[0], xs[rank].to(dev), op=op_of(name))
+                dist.reduce_scatter_tensor(outs[1], zs[rank].to(dev), op=op_of(name))
+            _close(outs[0], full[mine], dtype)
+            _close(outs[1], oracle(name, zs, dtype)[4 * rank:4 * rank + 4], dtype)
+        print(f"rank {rank}: reduce ops on {dtype} ok ({time.monotonic() - t0:.1f} s)", flush=True)
+
+    # complex: c10d views all_reduce's complex tensors as real; reduce_scatter_tensor reaches tpu_dist as complex
+    cs = [val(r, torch.complex64, (2 * n,)) * (1 + 2j) for r in range(n)]
+    t = cs[rank].to(dev)
+    dist.all_reduce(t, op=R.AVG)
+    _close(t, torch.stack(cs).mean(0), torch.float32)
+    out = torch.empty(2, dtype=torch.complex64, device=dev)
+    dist.reduce_scatter_tensor(out, cs[rank].to(dev), op=dist._make_nccl_premul_sum(0.25))
+    _close(out, (sum(cs) * 0.25)[2 * rank:2 * rank + 2], torch.float32)
+
+    # the functional collectives (DTensor's path) with the ops they name by string
+    x = val(rank, torch.float32, (2 * n, 3)).to(dev)
+    xs = [val(r, torch.float32, (2 * n, 3)) for r in range(n)]
+    world = dist.group.WORLD
+    for name in ("avg", "product", "min", "max"):
+        _close(fc.all_reduce(x, name, world), oracle(name, xs, torch.float32), torch.float32)
+        _close(fc.reduce_scatter_tensor(x, name, 0, world), oracle(name, xs, torch.float32)[2 * rank:2 * rank + 2],
+               torch.float32)
+    ints = [val(r, torch.int64, (4,)) for r in range(n)]
+    got = fc.all_reduce_coalesced([ints[rank].to(dev)], "bxor", world)
+    _close(got[0], oracle("bxor", ints, torch.int64), torch.int64)
+
+    # dtype rules (raised on every rank before anything is sent, so the group stays usable)
+    def raises(fn, *words) -> None:
+        try:
+            fn()
+        except (RuntimeError, ValueError) as e:
+            assert all(w in str(e) for w in words), (words, str(e))
+        else:
+            raise AssertionError(f"no error for {words}")
+
+    i64, f32 = torch.ones(4, dtype=torch.int64, device=dev), torch.ones(2 * n, device=dev)
+    raises(lambda: dist.all_reduce(i64, op=R.AVG), "all_reduce", "ReduceOp.AVG", "floating point", "int64[4]")
+    raises(lambda: dist.all_reduce(torch.ones(4, dtype=torch.bool, device=dev), op=R.AVG), "AVG", "bool[4]")
+    raises(lambda: dist.reduce_scatter_tensor(torch.empty(2, dtype=torch.int64, device=dev),
+                                              torch.ones(2 * n, dtype=torch.int64, device=dev),
+                                              op=dist._make_nccl_premul_sum(0.5)),
+           "reduce_scatter_tensor", "PREMUL_SUM", "floating point")
+    raises(lambda: dist.all_reduce(f32, op=R.BAND), "all_reduce", "BAND", "integer or bool", "float32")
+    raises(lambda: dist.reduce(f32, dst=0, op=R.BXOR), "reduce", "BXOR", "integer or bool")
+    raises(lambda: dist.reduce_scatter_tensor(torch.empty(2, dtype=torch.complex64, device=dev),
+                                              torch.ones(2 * n, dtype=torch.complex64, device=dev), op=R.MAX),
+           "reduce_scatter_tensor", "MAX", "complex")
+    raises(lambda: dist.all_reduce(f32, op=dist._make_nccl_premul_sum(torch.ones(1, dtype=torch.int64, device=dev))),
+           "PREMUL_SUM", "one-element floating point", "int64[1]")
+    raises(lambda: fc.all_reduce(f32, "premul_sum", world), "premul_sum", "factor")
+    t = torch.ones(3, device=dev)
+    dist.all_reduce(t)
+    assert t.cpu().tolist() == [float(n)] * 3
+
+
+def _scenario_reduce_ops() -> None:
+    import torch.distributed as dist
+
+    rank, n, dev = _init()
+    _check_reduce_ops(rank, n, dev)
+    dist.destroy_process_group()
+    print(f"rank {rank}: reduce ops ok", flush=True)
+
+
 def _scenario_ddp() -> None:
     """DDP on 2 ranks, half the batch each, against single-process CPU training on the full batch."""
     import torch
@@ -422,9 +570,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launch(n: int, scenario: str, timeout: float, tmp_path: Path, env: dict[str, str] | None = None
-            ) -> list[tuple[int | None, str]]:
-    """Starts n ranks like torchrun; returns (exit code or None if killed at the timeout, output) per rank."""
+def _launch(n: int, scenario: str, timeout: float, tmp_path: Path, env: dict[str, str] | None = None,
+            script: Path = HERE) -> list[tuple[int | None, str]]:
+    """Starts n ranks like torchrun, each `python <script> <scenario>` (another test file can pass its own
+    script); returns (exit code or None if killed at the timeout, output) per rank."""
     port = _free_port()
     procs = []
     for r in range(n):
@@ -435,7 +584,7 @@ def _launch(n: int, scenario: str, timeout: float, tmp_path: Path, env: dict[str
                  MASTER_PORT=str(port), TEST_STORE=str(tmp_path / "filestore"), PYTHONUNBUFFERED="1")
         e.update(env or {})
         log = open(tmp_path / f"rank{r}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(HERE), scenario], stdout=log, stderr=subprocess.STDOUT,
+        procs.append((subprocess.Popen([sys.executable, str(script), scenario], stdout=log, stderr=subprocess.STDOUT,
                                        env=e, cwd="/", start_new_session=True), log))
     deadline = time.monotonic() + timeout
     results = []
@@ -495,6 +644,11 @@ if __name__ != "__main__":
         else:
             results = _launch(n, "collectives", 240, tmp_path, FUSED if launcher == "env-fused" else None)
         _expect_ok(results, "collectives ok")
+
+    def test_every_reduce_op(tmp_path: Path) -> None:
+        """SUM, AVG, PRODUCT, MIN, MAX, PREMUL_SUM (float and tensor factor), BAND/BOR/BXOR in all_reduce(_coalesced),
+        reduce, reduce_scatter, reduce_scatter_tensor(_coalesced) and the functional collectives; NCCL's dtype rules."""
+        _expect_ok(_launch(2, "reduce_ops", 240, tmp_path), "reduce ops ok")
 
     @pytest.mark.parametrize("mode", ["DEFER_NEVER", "DEFER_AND_FUSE"])
     def test_ddp_mlp_matches_single_process(mode: str, tmp_path: Path) -> None:
