@@ -68,6 +68,25 @@ def _pg_timeout_bridge() -> None:
         dist.set_timeout = lambda timeout, group=None: None
 
 
+def _gloo_gradient_sum() -> None:
+    """TorchTitan normalises the loss by the global token count and sets FSDP2's gradient divide factor to
+    1.0, which FSDP2 sends as ReduceOp.PREMUL_SUM(1.0); gloo refuses PREMUL_SUM. For the CPU oracle that
+    one reduction is sent as SUM, the same value."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as coll
+
+    upstream = coll._get_gradient_divide_factors
+
+    def _get_gradient_divide_factors(reduce_scatter_group, all_reduce_group, reduce_dtype, device_type="",
+                                     factor=None, force_sum_reduction_for_comms=False):
+        got = upstream(reduce_scatter_group, all_reduce_group, reduce_dtype, device_type, factor,
+                       force_sum_reduction_for_comms)
+        if factor == 1.0 and got[:2] == (None, None):
+            return None, None, coll.ReduceOp.SUM, got[3]
+        return got
+
+    coll._get_gradient_divide_factors = _get_gradient_divide_factors
+
+
 def _cpu_as_titan_device() -> None:
     """TorchTitan asks `torch._utils` for the accelerator and calls the device module's CUDA-style API
     (name, properties, memory statistics, set_device). `torch.cpu` has only part of it: the oracle gets a
@@ -108,6 +127,7 @@ def main() -> None:
             sys.exit("examples/torchtitan: torch_tpu did not load with torch (is the wheel installed?)")
     else:
         _cpu_as_titan_device()
+        _gloo_gradient_sum()
     _lift_flex_device_gate(device)
 
     _pg_timeout_bridge()

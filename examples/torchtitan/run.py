@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tol", type=float, default=1e-3, help="largest |loss_tpu - loss_cpu| allowed per step")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds for one training run")
     ap.add_argument("--json", help="write the losses and the verdict here")
+    ap.add_argument("--titan-arg", dest="titan_args", action="append", default=[],
+                    help="one more torchtitan.train argument for every training run (repeatable)")
     a = ap.parse_args(argv)
 
     cache = Path(a.cache)
@@ -188,8 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         for device in ("cpu", "tpu"):
             name = f"{device}x{nproc}"
             dump = runs / name
+            # TorchTitan 0.3.0's default SPMD backend (spmd_types) stops FSDP2 at start-up under torch 2.13
+            # on CPU/gloo as on tpu ("all parameters must be DTensors on the full SPMD mesh"); its
+            # partial_dtensor backend is the plain FSDP2 path (fully_shard over the dp mesh).
+            fsdp = ["--parallelism.spmd_backend", "partial_dtensor"] if nproc > 1 else []
             args = [*common, "--training.steps", str(a.steps), "--dump_folder", str(dump),
-                    "--parallelism.data_parallel_shard_degree", str(nproc),
+                    "--parallelism.data_parallel_shard_degree", str(nproc), *fsdp, *a.titan_args,
                     "--checkpoint.enable", "--checkpoint.load_only",
                     "--checkpoint.folder", "checkpoint_" + name,
                     "--checkpoint.initial_load_path", str(seed_ckpt)]
