@@ -98,7 +98,7 @@ def ensure_env(cache: Path, wheel: str | None) -> Path:
     titan = wheel or f"torchtitan=={TITAN_VERSION}"
     subprocess.run([py, "-m", "pip", "install", "-q", "-c", str(constraints), titan, *EXTRA], check=True)
     check = subprocess.run([py, "-c", "import torch, jax, numpy, torchtitan; print(torch.__version__, "
-                            "jax.__version__, numpy.__version__)"], check=True, capture_output=True, text=True)
+                            "jax.__version__, numpy.__version__)"], check=True, capture_output=True, text=True, cwd="/")
     got = check.stdout.split()
     if got != [pins["torch"], pins["jax"], pins["numpy"]]:
         sys.exit(f"torchtitan venv moved the pinned packages: {got} vs {pins}")
@@ -110,7 +110,7 @@ def ensure_assets(py: Path, cache: Path) -> Path:
     assets = cache / "assets"
     if not (assets / "tokenizer" / "tokenizer.json").exists() or not (assets / "c4_test" / "data.json").exists():
         _log(f"making offline tokenizer and c4_test stand-in in {assets}")
-        subprocess.run([py, "-c", _MAKE_ASSETS, str(assets)], check=True)
+        subprocess.run([py, "-c", _MAKE_ASSETS, str(assets)], check=True, cwd="/")
     return assets
 
 
@@ -137,7 +137,8 @@ def titan(py: Path, device: str, nproc: int, args: list[str], log: Path, timeout
     t0 = time.time()
     with open(log, "w") as f:
         try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(device), timeout=timeout).returncode
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(device), timeout=timeout,
+                                cwd=log.parent).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     out = log.read_text(errors="replace")
