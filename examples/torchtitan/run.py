@@ -192,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
             name = f"{device}x{nproc}"
             dump = runs / name
             # TorchTitan 0.3.0's default SPMD backend (spmd_types) stops FSDP2 at start-up under torch 2.13
-            # on CPU/gloo as on tpu ("all parameters must be DTensors on the full SPMD mesh"); its
-            # partial_dtensor backend is the plain FSDP2 path (fully_shard over the dp mesh).
+            # on CPU/gloo as on tpu ("all parameters must be DTensors on the full SPMD mesh": it counts on a
+            # newer fully_shard that makes DTensors from spmd_types annotations); its partial_dtensor
+            # backend is the plain FSDP2 path (fully_shard over the dp mesh).
             fsdp = ["--parallelism.spmd_backend", "partial_dtensor"] if nproc > 1 else []
             args = [*common, "--training.steps", str(a.steps), "--dump_folder", str(dump),
                     "--parallelism.data_parallel_shard_degree", str(nproc), *fsdp, *a.titan_args,
