@@ -39,8 +39,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TITAN_VERSION = "0.3.0"
-# What TorchTitan 0.3.0's training path imports beyond its own metadata: triton (imported at module level
-# by torch's flex/inductor helpers it uses, never run here).
+# What TorchTitan 0.3.0's training path imports beyond its own metadata: triton (torchtitan.train imports
+# torchtitan/distributed/minimal_async_ep/kernels.py, which imports it at module level; no kernel of it runs).
 EXTRA = ["triton"]
 PINNED = ["torch", "jax", "jaxlib", "numpy"]
 
