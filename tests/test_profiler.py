@@ -177,6 +177,11 @@ def test_torch_profiler_has_a_device_row_per_program(tmp_path) -> None:
     kernels = [e for e in events if e.get("ph") == "X" and e.get("name") == "jit_aten_mm"]
     assert len(kernels) == 1 and kernels[0]["cat"] == "kernel", kernels
     assert kernels[0]["args"]["hlo_module"] == "jit_aten_mm"
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]):
+        with pytest.raises(RuntimeError, match="holds the process's one device trace"):
+            torch.tpu.profiler.start_trace(tmp_path / "inner")
+        with pytest.raises(RuntimeError, match="no trace is running"):
+            torch.tpu.profiler.stop_trace()
     cpu_only = profile(activities=[ProfilerActivity.CPU])
     with cpu_only:
         torch.mm(xt, xt.t()).cpu()

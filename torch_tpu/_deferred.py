@@ -38,8 +38,8 @@ import weakref
 from typing import Any, Callable
 
 from torch_tpu import _checks, _metrics, _runtime
-from torch_tpu._profiler import program_name
 from torch_tpu._jax import jax
+from torch_tpu._profiler import program_name
 
 
 class EagerMode(enum.IntEnum):

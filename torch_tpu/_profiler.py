@@ -53,6 +53,10 @@ def start_trace(log_dir: str | os.PathLike, create_perfetto_trace: bool = False,
     from torch_tpu._jax import jax
 
     if _active:
+        if _active[0] == _KINETO:
+            raise RuntimeError(f"torch.tpu.profiler.start_trace({str(log_dir)!r}): the running {_KINETO} holds the "
+                               "process's one device trace (for its tpu device rows); leave that profile first, or "
+                               "profile with ProfilerActivity.CPU alone")
         raise RuntimeError(f"torch.tpu.profiler.start_trace({str(log_dir)!r}): a trace into {_active[0]!r} is "
                            "already running; call torch.tpu.profiler.stop_trace() first (one trace per process)")
     _synchronize()  # work queued before the trace is not charged to it
@@ -68,7 +72,7 @@ def stop_trace() -> None:
     trace holds every program issued inside it, then stops the trace and writes it."""
     from torch_tpu._jax import jax
 
-    if not _active:
+    if not _active or _active[0] == _KINETO:
         raise RuntimeError("torch.tpu.profiler.stop_trace(): no trace is running; start one with "
                            "torch.tpu.profiler.start_trace(log_dir) or `with torch.tpu.profiler.trace(log_dir):`")
     try:
