@@ -11,7 +11,11 @@
 #define USE_KINETO 1
 #define FMT_HEADER_ONLY 1  // libtorch does not export fmt, which kineto's GenericTraceActivity formats with
 
+#include "TpuRuntime.h"
+
+#include <c10/util/ApproximateClock.h>
 #include <torch/csrc/profiler/standalone/privateuse1_profiler.h>
+#include <torch/csrc/profiler/stubs/base.h>
 #include <pybind11/pybind11.h>
 
 #include <IActivityProfiler.h>
@@ -150,6 +154,71 @@ class TpuActivityProfiler : public libkineto::IActivityProfiler {
 };
 
 REGISTER_PRIVATEUSE1_PROFILER(TpuActivityProfiler);
+
+// ---- the legacy profiler: torch.autograd.profiler.profile(use_device="tpu", use_kineto=False) ----
+// Its device time of an op is the time between two events recorded on the device's stream at the op's entry and
+// exit. PJRT has no events to record into a queue, so an event here is the host time at which the device had
+// finished all work queued so far: each record waits for the device (torch_tpu._runtime.synchronize), and an op's
+// device time is the time its own queued work took, measured with the work serialized. DEFER_AND_FUSE's pending
+// graphs are not device work yet: their time falls to the op that runs them (docs/user_guide.md, "Profiling").
+void wait_for_device(c10::DeviceIndex index) {
+  if (!runtime_started() || !Py_IsInitialized()) {
+    return;
+  }
+  py::gil_scoped_acquire gil;
+  try {
+    py::module_::import("torch_tpu._runtime").attr("synchronize")(static_cast<int>(index));
+  } catch (py::error_already_set& e) {
+    TORCH_CHECK(false, "torch_tpu profiler: waiting for tpu:", static_cast<int>(index), " failed: ", e.what());
+  }
+}
+
+struct TpuProfilerStubs final : torch::profiler::impl::ProfilerStubs {
+  void record(c10::DeviceIndex* device, torch::profiler::impl::ProfilerVoidEventStub* event,
+              int64_t* cpu_ns) const override {
+    c10::DeviceIndex index = current_device();
+    if (device) {
+      *device = index;
+    }
+    if (cpu_ns) {
+      *cpu_ns = c10::getTime();
+    }
+    wait_for_device(index);
+    *event = std::make_shared<int64_t>(c10::getTime());
+  }
+
+  float elapsed(const torch::profiler::impl::ProfilerVoidEventStub* event,
+                const torch::profiler::impl::ProfilerVoidEventStub* event2) const override {
+    TORCH_CHECK(event && *event && event2 && *event2, "torch_tpu profiler: elapsed() of an unrecorded event");
+    auto start = *static_cast<const int64_t*>(event->get());
+    auto end = *static_cast<const int64_t*>(event2->get());
+    return static_cast<float>(end - start) / 1000.0f;  // microseconds, as the profiler expects
+  }
+
+  void mark(const char*) const override {}
+  void rangePush(const char*) const override {}
+  void rangePop() const override {}
+  bool enabled() const override { return true; }
+
+  void onEachDevice(std::function<void(int)> op) const override {
+    c10::DeviceIndex saved = current_device();
+    for (c10::DeviceIndex i = 0; i < device_count(); ++i) {
+      set_current_device(i);
+      op(i);
+    }
+    set_current_device(saved);
+  }
+
+  void synchronize() const override { wait_for_device(-1); }
+};
+
+struct RegisterStubs {
+  RegisterStubs() {
+    static TpuProfilerStubs stubs;
+    torch::profiler::impl::registerPrivateUse1Methods(&stubs);
+  }
+};
+RegisterStubs register_stubs;
 
 }  // namespace
 }  // namespace torch_tpu

@@ -203,3 +203,20 @@ def test_device_trace_running_leaves_the_profile_without_device_rows(tmp_path) -
     assert "aten::mul" in {e.name for e in prof.events()}
     assert not [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.PrivateUse1]
     assert "jit_aten_mul_Tensor" in torch.tpu.profiler.device_programs(tmp_path)
+
+
+def test_legacy_profiler_times_ops_on_the_device() -> None:
+    # torch.autograd.profiler.profile(use_device="tpu", use_kineto=False), torch_openreg's path: the profiler stubs
+    # (runtime/TpuProfiler.cpp) wait for the device at each op's entry and exit, so an op's TPU time is real.
+    from torch.autograd.profiler import profile as legacy_profile
+
+    x = torch.arange(64.0).reshape(8, 8).div(10)
+    xt = x.to("tpu")
+    (xt @ xt).relu().cpu()  # compiled outside the profile
+    with legacy_profile(use_device="tpu", use_kineto=False) as prof:
+        out = (xt @ xt).relu().cpu()
+    torch.testing.assert_close(out, (x @ x).relu())
+    events = {e.key: e for e in prof.key_averages()}
+    assert "aten::mm" in events and "aten::relu" in events
+    assert events["aten::mm"].device_time_total > 0
+    assert all(e.cpu_time_total >= 0 and e.device_time_total >= 0 for e in events.values())
