@@ -1,4 +1,5 @@
-// The profiler hook: the tpu device rows of torch.profiler (ProfilerActivity.PrivateUse1).
+// The profiler hooks: the tpu device rows of torch.profiler (ProfilerActivity.PrivateUse1), and, at the end, the
+// profiler stubs of the legacy autograd profiler (use_device="tpu", use_kineto=False).
 //
 // PyTorch 2.13 takes a PrivateUse1 backend's device activities from a Kineto activity-profiler plugin
 // (torch/csrc/profiler/standalone/privateuse1_profiler.h). This one runs XLA's own tracer (JAX's profiler) for the
