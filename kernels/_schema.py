@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from torch_tpu._jax import jnp
+from torch_tpu._profiler import program_name
 from torch_tpu.kernels._promote import _cast_tree, _check_broadcast, _promote
 from torch_tpu.kernels.registry import Lowering
 
@@ -173,4 +174,7 @@ class Signature:
                 out = _cast_tree(out, out_dtype)
             return out
 
+        # The XLA program's name (jax.jit names it `jit_<__name__>`): the aten overload, so a device trace
+        # (torch.tpu.profiler, XProf) and dumped HLO map back to the op. Set once here, at the cache miss.
+        run.__name__ = program_name(self.name)
         return run

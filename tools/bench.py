@@ -1039,11 +1039,62 @@ def bench_streams() -> None:
     print(f"  Event.record() with {len(keep)} live arrays {r['Event.record()']:8.1f} us, a 2x2 add "
           f"{r['x + y']:6.1f} us -> {r['Event.record()'] / r['x + y']:.1f}x")
 
+def bench_profiler(calls: int = 300, trials: int = 5) -> None:
+    """Host cost of profiling an eager step (4 ops on 64x64): the same step with no profiler, under torch.profiler
+    with ProfilerActivity.CPU, with CPU + PrivateUse1 (which also runs XLA's tracer for the tpu device rows), and
+    under torch.tpu.profiler.trace; per-step times while the profile runs, interleaved trials, and the time to
+    leave each profile (synchronize, stop, and for torch.profiler build its results)."""
+    import contextlib
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(64, 64, device="tpu")
+    w = torch.randn(64, 64, device="tpu")
+
+    def step() -> object:
+        return ((x @ w).relu() + 1).sum()
+
+    tmp = tempfile.mkdtemp(prefix="bench_profiler_")
+    configs: dict[str, Callable[[], Any]] = {
+        "no profiler": contextlib.nullcontext,
+        "torch.profiler CPU": lambda: profile(activities=[ProfilerActivity.CPU]),
+        "torch.profiler CPU+PrivateUse1": lambda: profile(
+            activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]),
+        "torch.tpu.profiler.trace": lambda: torch.tpu.profiler.trace(tmp),
+    }
+    for _ in range(50):
+        step()
+    torch.tpu.synchronize()
+    steps: dict[str, list[float]] = {k: [] for k in configs}
+    exits: dict[str, list[float]] = {k: [] for k in configs}
+    for _ in range(trials):
+        for name, make in configs.items():
+            ctx = make()
+            ctx.__enter__()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                step()
+            torch.tpu.synchronize()
+            t1 = time.perf_counter()
+            ctx.__exit__(None, None, None)
+            if hasattr(ctx, "key_averages"):
+                ctx.key_averages()  # the results are built on first use
+            t2 = time.perf_counter()
+            steps[name].append((t1 - t0) / calls * 1e6)
+            exits[name].append((t2 - t1) * 1e3)
+    base = statistics.median(steps["no profiler"])
+    print(f"profiler  platform={torch.tpu.get_device_name()}  step: ((x @ w).relu() + 1).sum() on 64x64, "
+          f"{calls} steps per profile")
+    for name in configs:
+        st, ex = statistics.median(steps[name]), statistics.median(exits[name])
+        print(f"  {name:<32} {st:8.1f} us/step  {st / base:5.2f}x   leaving the profile {ex:8.1f} ms")
+
 
 BENCHMARKS = {"eager_overhead": bench_eager_overhead, "op_overhead": bench_op_overhead, "training": bench_training,
               "fuse": bench_fuse, "cold_start": bench_cold_start, "compile": bench_compile,
               "all_reduce": bench_all_reduce, "index_checks": bench_index_checks,
-              "threads": bench_threads, "host": bench_host, "streams": bench_streams}
+              "threads": bench_threads, "profiler": bench_profiler, "host": bench_host, "streams": bench_streams}
 
 
 def main(argv: list[str]) -> int:

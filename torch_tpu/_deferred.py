@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 from torch_tpu import _checks, _memory, _metrics, _runtime
 from torch_tpu._jax import jax
+from torch_tpu._profiler import program_name
 
 
 class EagerMode(enum.IntEnum):
@@ -681,7 +682,7 @@ def _fused_program(g: _Graph, outs: tuple, donate: tuple[int, ...]) -> Callable[
         if loaded is not None:
             return loaded
     replay = _replay(list(g.nodes), outs)
-    replay.__name__ = f"torch_tpu_fused_{len(g.nodes)}_ops"
+    replay.__name__ = _fused_name(g)
     jitted = jax.jit(replay, out_shardings=jax.sharding.SingleDeviceSharding(device), donate_argnums=donate)
     _metrics.fused_compile()
     if structure is None or len(g.nodes) == 1:
@@ -689,6 +690,20 @@ def _fused_program(g: _Graph, outs: tuple, donate: tuple[int, ...]) -> Callable[
         # dispatch, which calls faster than a loaded executable, and not written to the disk store.
         return jitted
     return compile_cache.compile_program(structure, device, jitted, g.inputs)
+
+
+def _fused_name(g: _Graph) -> str:
+    """The fused program's name (jax.jit names it `jit_<name>`): its op count and its first distinct aten ops in
+    graph order, e.g. `torch_tpu_fused_7_ops_mm_add_Tensor_relu` (at most 4 named), so a device
+    trace maps back to the code. Made at the compile, the same in every process (JAX's cache key starts with it)."""
+    names: list[str] = []
+    for fn, _, _ in g.nodes:
+        op = _op_name(fn).removeprefix("aten::")
+        if op not in names:
+            names.append(op)
+            if len(names) == 4:
+                break
+    return program_name("_".join(names), f"torch_tpu_fused_{len(g.nodes)}_ops_")
 
 
 def drop_programs() -> None:

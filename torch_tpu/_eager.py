@@ -224,6 +224,7 @@ class OpKernel(Signature):
                 out = _cast_tree(out, _runtime.jax_dtype(inplace_dtype))
             return out
 
+        given_args.__name__ = run.__name__  # the program's name: the aten overload (kernels/_schema.py _traced)
         if recorded:
             given_args._torch_tpu_op = f"aten::{self.name}"  # type: ignore[attr-defined]
             self._fast_rec[key] = ((self.name, "fast", key), given_args)

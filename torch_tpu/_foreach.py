@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from torch_tpu import _C, _executor, _metrics, _runtime, _storage, _trace
+from torch_tpu._profiler import program_name
 from torch_tpu.kernels._promote import _check_cast, wrap_arrays
 from torch_tpu.kernels._schema import (OPT_TENSOR, SCALAR, STATIC, TENSOR, TENSOR_LIST, _find_variants, _kind, _overload,
                                        bind_arguments)
@@ -305,6 +306,7 @@ class ForeachKernel:
             return outs
 
         program.__qualname__ = f"foreach[{name}]"
+        program.__name__ = program_name(name)  # the XLA program's name, "aten__foreach_mul_Scalar" (_profiler.py)
         base_key = (name, tuple(statics), target_dtypes, index)
         by_mask: dict[int, Any] = {0: _executor.jitted(program, index, key=base_key)}
 

@@ -375,3 +375,6 @@ class _DeviceModule(type(contextlib)):  # the module type, with `eager_mode` as 
 import sys as _sys  # noqa: E402
 
 _sys.modules[__name__].__class__ = _DeviceModule
+
+# ---- profiling: torch.tpu.profiler (device traces of the XLA programs; torch_tpu/_profiler.py) ----
+from torch_tpu import _profiler as profiler  # noqa: E402
