@@ -422,9 +422,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launch(n: int, scenario: str, timeout: float, tmp_path: Path, env: dict[str, str] | None = None
-            ) -> list[tuple[int | None, str]]:
-    """Starts n ranks like torchrun; returns (exit code or None if killed at the timeout, output) per rank."""
+def _launch(n: int, scenario: str, timeout: float, tmp_path: Path, env: dict[str, str] | None = None,
+            script: Path = HERE) -> list[tuple[int | None, str]]:
+    """Starts n ranks like torchrun; returns (exit code or None if killed at the timeout, output) per rank.
+    Each rank runs `python <script> <scenario>` (other test files reuse this launcher with their own workers)."""
     port = _free_port()
     procs = []
     for r in range(n):
@@ -435,7 +436,7 @@ def _launch(n: int, scenario: str, timeout: float, tmp_path: Path, env: dict[str
                  MASTER_PORT=str(port), TEST_STORE=str(tmp_path / "filestore"), PYTHONUNBUFFERED="1")
         e.update(env or {})
         log = open(tmp_path / f"rank{r}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(HERE), scenario], stdout=log, stderr=subprocess.STDOUT,
+        procs.append((subprocess.Popen([sys.executable, str(script), scenario], stdout=log, stderr=subprocess.STDOUT,
                                        env=e, cwd="/", start_new_session=True), log))
     deadline = time.monotonic() + timeout
     results = []
