@@ -1,6 +1,7 @@
 """Tensor parallelism with DTensor on tpu_dist (2 ranks, XLA:CPU): `parallelize_module` with ColwiseParallel/
 RowwiseParallel over a DeviceMesh("tpu", (2,)) trains the MLP example like single-process CPU training (losses,
-gradients and parameters through `full_tensor()`, AdamW and gradient clipping on DTensors), and a
+gradients and parameters through `full_tensor()`, AdamW and gradient clipping on DTensors, a replicated output or
+`loss_parallel` over class-sharded logits), and a
 sequence-parallel attention block (SequenceParallel norm, colwise q/k/v, rowwise output projection) does too.
 
 Ranks start as in tests/test_distributed.py (its launcher and per-rank `_init`), each as
@@ -9,6 +10,7 @@ Ranks start as in tests/test_distributed.py (its launcher and per-rank `_init`),
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -39,13 +41,14 @@ def _check_step(step: int, loss, ref_loss, model, ref) -> None:
 
 
 def _scenario_mlp() -> None:
-    """The examples/mlp.py model: Linear(256,1024) colwise, Linear(1024,256) rowwise, Linear(256,10) colwise with a
-    replicated (all-gathered) output; every rank sees the full batch, as tensor parallelism does."""
+    """The examples/mlp.py model: Linear(256,1024) colwise, Linear(1024,256) rowwise, Linear(256,10) colwise with
+    (TEST_HEAD) a replicated (all-gathered) output or logits left sharded for `loss_parallel`'s cross-entropy; every
+    rank sees the full batch, as tensor parallelism does."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
     sys.path.insert(0, str(HERE.parent.parent / "examples"))
     import mlp
@@ -56,8 +59,9 @@ def _scenario_mlp() -> None:
     # whose sign XLA and CPU round differently, moving a whole gradient row, single-process tpu as much as TP).
     ref, batches, loss_fn = mlp.build(SEED)
     model, _, _ = mlp.build(SEED)
-    model = parallelize_module(model.to(dev), mesh, {
-        "0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(output_layouts=Replicate())})
+    sharded_loss = os.environ["TEST_HEAD"] == "loss_parallel"
+    head = ColwiseParallel(use_local_output=False) if sharded_loss else ColwiseParallel(output_layouts=Replicate())
+    model = parallelize_module(model.to(dev), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": head})
     w0, w2 = model[0].weight, model[2].weight
     assert isinstance(w0, DTensor) and w0.placements == (Shard(0),), w0
     assert isinstance(w2, DTensor) and w2.placements == (Shard(1),), w2
@@ -74,9 +78,16 @@ def _scenario_mlp() -> None:
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         opt.zero_grad()
         out = model(x.to(dev))
-        assert not isinstance(out, DTensor) and out.device == dev and tuple(out.shape) == (64, 10), out
-        loss = loss_fn(out, y.to(dev))
-        loss.backward()
+        if sharded_loss:
+            assert isinstance(out, DTensor) and out.placements == (Shard(1),) and out.to_local().shape == (64, 10 // n)
+            with loss_parallel():  # cross-entropy over class-sharded logits, and its backward
+                loss = loss_fn(out, y.to(dev))
+                loss.backward()
+            loss = loss.full_tensor()
+        else:
+            assert not isinstance(out, DTensor) and out.device == dev and tuple(out.shape) == (64, 10), out
+            loss = loss_fn(out, y.to(dev))
+            loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
@@ -175,9 +186,10 @@ if __name__ != "__main__":
 
     from test_distributed import _expect_ok, _launch
 
-    @pytest.mark.parametrize("mode", ["DEFER_NEVER", "DEFER_AND_FUSE"])
-    def test_tp_mlp_matches_single_process(mode: str, tmp_path: Path) -> None:
-        _expect_ok(_launch(2, "mlp", 180, tmp_path, {"TORCH_TPU_EAGER_MODE": mode}, script=HERE), "tp mlp ok")
+    @pytest.mark.parametrize("mode, head", [("DEFER_NEVER", "replicate"), ("DEFER_AND_FUSE", "loss_parallel")])
+    def test_tp_mlp_matches_single_process(mode: str, head: str, tmp_path: Path) -> None:
+        env = {"TORCH_TPU_EAGER_MODE": mode, "TEST_HEAD": head}
+        _expect_ok(_launch(2, "mlp", 180, tmp_path, env, script=HERE), "tp mlp ok")
 
     def test_sequence_parallel_attention_block(tmp_path: Path) -> None:
         _expect_ok(_launch(2, "attention", 180, tmp_path, script=HERE), "tp attention ok")
