@@ -2,8 +2,9 @@
 Shard(1) over a 2-rank DeviceMesh("tpu")), or an FSDP2 one, and its AdamW state, taken with `get_state_dict`, plus a DTensor with
 uneven shards (5 rows on 2 ranks), written with `dcp.save` on 2 ranks, then loaded (`dcp.load` + `set_state_dict`) by one
 process without a process group into a plain tpu model, and by 2 ranks into a fresh tensor-parallel model: every
-value equal to the saved one, tpu tensors in and out. Two writers: the serial host copy and the default one,
-which stages the copies on torch.tpu streams (`current_stream()`, `stream(s)`, `wait_stream`).
+value equal to the saved one, tpu tensors in and out. Writers: the serial host copy, `dcp.async_save` (with a
+gloo group for its planning, as CUDA needs one) and the default one, which stages the copies on torch.tpu streams
+(`current_stream()`, `stream(s)`, `wait_stream`).
 
 Ranks start as in tests/test_distributed.py (its launcher and per-rank `_init`), each as
 `python tests/test_dcp.py <scenario>` with a timeout.
@@ -129,8 +130,13 @@ def _scenario_save() -> None:
     flat = _flat(state)
     expected = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
     devices = {k: v.device.type for k, v in flat.items() if isinstance(v, torch.Tensor)}
-    if os.environ["TEST_WRITER"] == "serial":  # copies each tensor to the host in turn, on no stream
+    writer = os.environ["TEST_WRITER"]
+    if writer == "serial":  # copies each tensor to the host in turn, on no stream
         dcp.save(state, storage_writer=dcp.FileSystemWriter(os.environ["TEST_CKPT"], per_thread_copy_ahead=0))
+    elif writer == "async":  # stages a CPU copy, then writes in the background; its planning needs a CPU group
+        gloo = dist.new_group(backend="gloo")
+        dcp.async_save(state, storage_writer=dcp.FileSystemWriter(os.environ["TEST_CKPT"], per_thread_copy_ahead=0),
+                       process_group=gloo).result()
     else:  # the default writer overlaps the copies on a torch.tpu stream (torch.tpu.current_stream, stream(s))
         dcp.save(state, checkpoint_id=os.environ["TEST_CKPT"])
     if rank == 0:
@@ -199,6 +205,11 @@ if __name__ != "__main__":
         env = {"TEST_CKPT": str(tmp_path / "ckpt"), "TEST_WRITER": "serial", "TEST_SHARDING": "tp"}
         _expect_ok(_launch(2, "save", 180, tmp_path, env, script=HERE), "dcp save ok")
         _expect_ok(_launch(1, "load_single", 120, tmp_path, env, script=HERE), "dcp load single ok")
+        _expect_ok(_launch(2, "load_sharded", 180, tmp_path, env, script=HERE), "dcp load sharded ok")
+
+    def test_dcp_async_save_then_load_on_two_ranks(tmp_path: Path) -> None:
+        env = {"TEST_CKPT": str(tmp_path / "ckpt"), "TEST_WRITER": "async", "TEST_SHARDING": "tp"}
+        _expect_ok(_launch(2, "save", 180, tmp_path, env, script=HERE), "dcp save ok")
         _expect_ok(_launch(2, "load_sharded", 180, tmp_path, env, script=HERE), "dcp load sharded ok")
 
     STREAMS = pytest.mark.xfail(not hasattr(torch.tpu, "current_stream"), strict=True,
