@@ -285,6 +285,8 @@ def _masked_backward_calls(dev: str) -> dict[str, tuple]:
                                                                 [False, True, False]),
         "convolution": torch.ops.aten.convolution_backward(r(2, 5, 3, 3), xi, wc, None, [1, 1], [1, 1], [1, 1],
                                                            False, [0, 0], 1, [False, True, False]),
+        "grid_sampler": torch.ops.aten.grid_sampler_2d_backward(r(2, 4, 2, 2), xi, r(2, 2, 2, 2).tanh(), 0, 0, False,
+                                                                [False, True]),
     }
 
 
