@@ -72,7 +72,11 @@ def _cast_tree(out: Any, dtype: Any) -> Any:
 
 
 def wrap_arrays(out: Any, index: int) -> Any:
-    """New tpu tensors on tpu:`index` owning the device array(s) `out` (a tuple of arrays gives a tuple)."""
+    """New tpu tensors on tpu:`index` owning the device array(s) `out` (a tuple of arrays gives a tuple). None (an
+    output a lowering leaves undefined, as ATen does for one masked off by `output_mask`) stays None: the
+    dispatcher turns it into an undefined tensor."""
+    if out is None:
+        return None
     if isinstance(out, (tuple, list)):
         return tuple(wrap_arrays(o, index) for o in out)
     return _C._wrap(out, _runtime.torch_dtype(out.dtype), index)
@@ -80,8 +84,11 @@ def wrap_arrays(out: Any, index: int) -> Any:
 
 def write_outs(op: str, outs: Sequence[torch.Tensor], arrays: Sequence[Any]) -> None:
     """PyTorch's out= convention: check each result can be cast to its out tensor's dtype, resize the out tensor
-    (warning when a non-empty one changes shape), and write the result into it."""
+    (warning when a non-empty one changes shape), and write the result into it. An undefined result (None) leaves
+    its out tensor untouched, as ATen's out= kernels do for an output masked off."""
     for o, r in zip(outs, arrays):
+        if r is None:
+            continue
         _check_cast(op, _runtime.torch_dtype(r.dtype), o.dtype)
         _maybe_resize_out(o, tuple(r.shape))
         _storage.write(o, r)

@@ -262,3 +262,48 @@ def test_small_map_convolutions_like_cpu(shape, wshape, stride, padding) -> None
     jaxpr = str(jax.make_jaxpr(lambda a, b: conv._conv(a, b, [stride], [padding], [1], False, [0], 1))(
         x.numpy(), w.numpy()))
     assert ("conv_general_dilated" in jaxpr) == (max(shape[2:]) > 4)
+
+
+def _masked_backward_calls(dev: str) -> dict[str, tuple]:
+    """Each backward op with an `output_mask`, called with some outputs off, on `dev` (same values everywhere)."""
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(dev)
+
+    x, go, w, b = r(2, 3, 4), r(2, 3, 4), r(4), r(4)
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [4], w, b, 1e-5)
+    xi, gi = r(2, 4, 3, 3), r(2, 4, 3, 3)
+    _, gmean, grstd = torch.ops.aten.native_group_norm(xi, r(4), r(4), 2, 4, 9, 2, 1e-5)
+    _, bmean, binv = torch.ops.aten.native_batch_norm(xi, r(4), r(4), None, None, True, 0.1, 1e-5)
+    wc = r(5, 4, 3, 3)
+    return {
+        "layer_norm": torch.ops.aten.native_layer_norm_backward(go, x, [4], mean, rstd, w, b, [False, True, True]),
+        "group_norm": torch.ops.aten.native_group_norm_backward(gi, xi, gmean, grstd, r(4), 2, 4, 9, 2,
+                                                                [True, False, True]),
+        "batch_norm": torch.ops.aten.native_batch_norm_backward(gi, xi, r(4), None, None, bmean, binv, True, 1e-5,
+                                                                [False, True, False]),
+        "convolution": torch.ops.aten.convolution_backward(r(2, 5, 3, 3), xi, wc, None, [1, 1], [1, 1], [1, 1],
+                                                           False, [0, 0], 1, [False, True, False]),
+        "grid_sampler": torch.ops.aten.grid_sampler_2d_backward(r(2, 4, 2, 2), xi, r(2, 2, 2, 2).tanh(), 0, 0, False,
+                                                                [False, True]),
+    }
+
+
+@pytest.mark.parametrize("mode", ["DEFER_NEVER", "DEFER_AND_FUSE"])
+def test_masked_backward_outputs_are_undefined_like_cpu(mode: str) -> None:
+    """An output `output_mask` turns off is an undefined tensor (None), as on CPU: DTensor's sharding rules give it
+    no spec and refuse a tensor there; the others match CPU."""
+    want = _masked_backward_calls("cpu")
+    saved = torch.tpu.eager_mode
+    torch.tpu.eager_mode = getattr(torch.tpu.EagerMode, mode)
+    try:
+        got = _masked_backward_calls("tpu")
+        got = {k: tuple(None if t is None else t.cpu() for t in v) for k, v in got.items()}
+    finally:
+        torch.tpu.eager_mode = saved
+    for name, outs in want.items():
+        assert [t is None for t in got[name]] == [t is None for t in outs], (name, got[name])
+        for a, e in zip(got[name], outs):
+            if e is not None:
+                torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")

@@ -4,9 +4,10 @@ activations, losses, upsampling and dropout.
 Conventions: bfloat16/float16 inputs compute in float32 ("opmath", as PyTorch's CPU kernels do) and round once
 at the end; float32 matmul-like work (convolution) runs at HIGHEST precision. Window and interpolation indices
 depend only on static shapes, so they are computed with numpy at trace time. Backward ops of linear forward ops
-(convolution, average pooling, upsampling) are the JAX VJP of the forward lowering. Where ATen would return an
-undefined tensor (an output masked off by `output_mask`), these kernels return zeros of the right shape: the
-registry has no way to return an undefined tensor, and autograd drops those outputs.
+(convolution, average pooling, upsampling) are the JAX VJP of the forward lowering. Where ATen returns an
+undefined tensor (an output masked off by `output_mask`), these kernels return None, which the executors pass
+through and the dispatcher turns into an undefined tensor (DTensor's sharding rules give such outputs no spec and
+refuse a tensor there).
 
 One module per family: conv, pooling (with im2col / col2im and channel_shuffle), normalization, softmax,
 activation, loss, embedding (the embedding's backward, embedding_bag), upsample, sampling (grid_sample),

@@ -10,6 +10,11 @@ from torch_tpu._jax import jnp
 # ---- helpers ----
 
 
+def _masked(output_mask: Sequence[bool], *grads: Any) -> tuple[Any, ...]:
+    """A backward op's results with those `output_mask` turns off as None (ATen's undefined tensor)."""
+    return tuple(g if m else None for g, m in zip(grads, output_mask, strict=True))
+
+
 def _is_low(dtype: Any) -> bool:
     return dtype in (jnp.bfloat16, jnp.float16)
 

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 from torch_tpu import _runtime
 from torch_tpu._jax import jax, jnp, lax
-from torch_tpu.kernels.nn._common import _expand, _is_float, _opmath
+from torch_tpu.kernels.nn._common import _expand, _is_float, _masked, _opmath
 from torch_tpu.kernels.registry import lower
 
 
@@ -95,10 +95,6 @@ def convolution_backward(
     _, vjp = jax.vjp(f, xf, wf)
     g = _opmath(grad_output)
     grad_input, grad_weight = vjp(g.astype(jnp.result_type(xf, wf)))
-    n_bias = tuple(bias_sizes)[0] if bias_sizes else grad_output.shape[1]
-    grad_bias = jnp.sum(g, axis=(0,) + tuple(range(2, g.ndim))) if output_mask[2] else jnp.zeros((n_bias,), g.dtype)
-    if not output_mask[0]:
-        grad_input = jnp.zeros_like(xf)
-    if not output_mask[1]:
-        grad_weight = jnp.zeros_like(wf)
-    return grad_input.astype(input.dtype), grad_weight.astype(weight.dtype), grad_bias.astype(grad_output.dtype)
+    grad_bias = jnp.sum(g, axis=(0,) + tuple(range(2, g.ndim)))
+    return _masked(output_mask, grad_input.astype(input.dtype), grad_weight.astype(weight.dtype),
+                   grad_bias.astype(grad_output.dtype))

@@ -10,7 +10,7 @@ import torch
 
 from torch_tpu import _executor, _runtime, _storage
 from torch_tpu._jax import jnp, lax
-from torch_tpu.kernels.nn._common import _is_low, _opmath
+from torch_tpu.kernels.nn._common import _is_low, _masked, _opmath
 from torch_tpu.kernels._promote import wrap_arrays, write_outs
 from torch_tpu.kernels.registry import direct, lower
 
@@ -201,7 +201,7 @@ def native_batch_norm_backward(
     else:
         grad_input = g * scale
     wdtype = weight.dtype if weight is not None else input.dtype
-    return grad_input.astype(input.dtype), sum_gx.astype(wdtype), sum_g.astype(wdtype)
+    return _masked(output_mask, grad_input.astype(input.dtype), sum_gx.astype(wdtype), sum_g.astype(wdtype))
 
 
 @lower("batch_norm_backward")
@@ -256,7 +256,7 @@ def native_layer_norm_backward(
     grad_weight = jnp.sum(g * xhat, axis=batch_axes)
     grad_bias = jnp.sum(g, axis=batch_axes)
     wdtype = weight.dtype if weight is not None else (bias.dtype if bias is not None else input.dtype)
-    return grad_input.astype(input.dtype), grad_weight.astype(wdtype), grad_bias.astype(wdtype)
+    return _masked(output_mask, grad_input.astype(input.dtype), grad_weight.astype(wdtype), grad_bias.astype(wdtype))
 
 
 @lower("native_group_norm")
@@ -296,5 +296,5 @@ def native_group_norm_backward(
     grad_weight = jnp.sum(g * xhat, axis=(0, 3)).reshape(C)
     grad_bias = jnp.sum(g, axis=(0, 3)).reshape(C)
     wdtype = weight.dtype if weight is not None else input.dtype
-    return (grad_input.reshape(input.shape).astype(input.dtype), grad_weight.astype(wdtype),
-            grad_bias.astype(wdtype))
+    return _masked(output_mask, grad_input.reshape(input.shape).astype(input.dtype), grad_weight.astype(wdtype),
+                   grad_bias.astype(wdtype))

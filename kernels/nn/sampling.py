@@ -160,8 +160,9 @@ def grid_sampler_backward(
     grad_output: Any, input: Any, grid: Any, interpolation_mode: int, padding_mode: int, align_corners: bool,
     output_mask: Sequence[bool],
 ) -> tuple[Any, Any]:
-    """(grad_input, grad_grid) by the VJP of the forward (zeros for an output masked off)."""
+    """(grad_input, grad_grid) by the VJP of the forward; grad_input undefined (None) when masked off, as ATen
+    leaves it (ATen always computes grad_grid)."""
     f = lambda x, g: _grid_sample(x, g, interpolation_mode, padding_mode, align_corners)  # noqa: E731
     _, vjp = jax.vjp(f, input, grid.astype(input.dtype))
     gx, gg = vjp(grad_output.astype(input.dtype))
-    return gx.astype(input.dtype), gg.astype(grid.dtype)
+    return gx.astype(input.dtype) if output_mask[0] else None, gg.astype(grid.dtype)
