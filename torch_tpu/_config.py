@@ -176,6 +176,8 @@ VARIABLES: tuple[Var, ...] = (
         "under torchrun, join JAX's distributed world at the first tpu use"),
     Var("TORCH_TPU_DIST_CHECKS", boolean(True), True,
         "tpu_dist: check collective arguments agree across ranks before running"),
+    Var("TORCH_TPU_SPLIT_HOST", boolean(True), True,
+        "under torchrun with several processes on a TPU host, give each its share of the chips (TPU_VISIBLE_CHIPS…)"),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
 _parsed: dict[tuple[str, str], Any] = {}  # (name, raw value) -> parsed value
