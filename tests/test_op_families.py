@@ -296,3 +296,55 @@ def test_empty_inputs_histogram_and_fractional_pool() -> None:
     out = F.fractional_max_pool3d(x, (2, 2, 1), output_size=2)
     assert out.shape == (0, 1, 2, 2, 2)
     assert torch.autograd.grad(out.sum(), x)[0].shape == x.shape
+
+
+def _pool_input(shape: tuple, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Few distinct values (ties in most windows), some -inf, and NaNs where `seed` is odd."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-2, 3, shape, generator=g).to(dtype)
+    x.view(-1)[torch.randperm(x.numel(), generator=g)[: x.numel() // 7]] = -float("inf")
+    if seed % 2:
+        x.view(-1)[torch.randperm(x.numel(), generator=g)[: x.numel() // 11]] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize("case,dtype", [
+    ((2, (2, 3, 9, 8), dict(kernel_size=3, stride=2, padding=1)), torch.float32),  # ResNet's stem pool
+    ((2, (2, 3, 9, 8), dict(kernel_size=3, stride=2, padding=1)), torch.bfloat16),
+    ((2, (1, 2, 7, 7), dict(kernel_size=(2, 3), stride=(2, 1), padding=(1, 1), ceil_mode=True)), torch.float32),
+    ((2, (3, 10, 11), dict(kernel_size=3, stride=2, dilation=2, padding=1)), torch.float32),  # unbatched, dilated
+    ((2, (1, 1, 5, 5), dict(kernel_size=2, stride=2)), torch.float32),  # windows never reach the last row/column
+    ((3, (1, 2, 5, 6, 4), dict(kernel_size=(3, 2, 2), stride=(2, 1, 2), padding=(1, 0, 1), ceil_mode=True)),
+     torch.bfloat16),
+    ((1, (2, 3, 12), dict(kernel_size=4, stride=3, padding=2)), torch.float32),
+])
+def test_max_pool_ties_nan_and_inf_match_cpu(case: tuple, dtype: torch.dtype) -> None:
+    """Values, indices and gradient equal to CPU's, bit for bit, where ties, -inf (also whole windows of it and of
+    padding) and NaN are common: the first max of a window wins, a window with NaN gives its last NaN. (The
+    cotangent's small integers sum exactly in bfloat16 too, whatever the order of accumulation.)"""
+    nd, shape, kw = case
+    pool = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[nd]
+    for seed in (0, 1):
+        x = _pool_input(shape, dtype, seed)
+        res = []
+        for dev in ("cpu", "tpu"):
+            xi = x.to(dev).requires_grad_()
+            out, idx = pool(xi, return_indices=True, **kw)
+            cot = (torch.arange(out.numel()) % 7).reshape(out.shape).to(dtype).to(dev)
+            grad = torch.autograd.grad(out, xi, cot)[0]
+            res.append((out.detach().cpu(), idx.cpu(), grad.cpu()))
+        (v_cpu, i_cpu, g_cpu), (v, i, g) = res
+        assert torch.equal(i, i_cpu), (seed, i, i_cpu)
+        torch.testing.assert_close(v, v_cpu, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(g, g_cpu, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32])
+def test_adaptive_max_pool_nan_and_ties_match_cpu(dtype: torch.dtype) -> None:
+    for seed in (0, 1):
+        x = _pool_input((2, 3, 7, 9), dtype, seed)
+        for out_size in ((3, 4), (1, 1)):
+            v_cpu, i_cpu = F.adaptive_max_pool2d(x, out_size, return_indices=True)
+            v, i = F.adaptive_max_pool2d(x.to("tpu"), out_size, return_indices=True)
+            assert torch.equal(i.cpu(), i_cpu), (seed, out_size)
+            torch.testing.assert_close(v.cpu(), v_cpu, rtol=0, atol=0, equal_nan=True)

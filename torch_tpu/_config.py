@@ -180,6 +180,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("TORCH_TPU_MEMORY_LIMIT", byte_size, None,
         "bytes live tpu tensors may hold per device; an allocation past it raises torch.OutOfMemoryError",
         "no limit (a TPU's own memory)"),
+    Var("TORCH_TPU_SPLIT_HOST", boolean(True), True,
+        "under torchrun with several processes on a TPU host, give each its share of the chips (TPU_VISIBLE_CHIPS…)"),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
 _parsed: dict[tuple[str, str], Any] = {}  # (name, raw value) -> parsed value

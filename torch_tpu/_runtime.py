@@ -37,6 +37,10 @@ def configure_jax() -> None:
     with _lock:
         if _configured:
             return
+        from torch_tpu import _topology
+
+        # Before libtpu starts: each torchrun worker on a multi-chip TPU host gets its own chips.
+        _topology.apply()
         import jax
 
         # int64 and float64 tensors need JAX's x64 mode.

@@ -4,6 +4,7 @@ and their backward ops."""
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Sequence
 
 import torch
@@ -21,6 +22,12 @@ from torch_tpu.kernels.registry import direct, lower
 def _channel_shape(x: Any) -> tuple[int, ...]:
     """Shape broadcasting a per-channel (dim 1) vector against x."""
     return (1, -1) + (1,) * (x.ndim - 2)
+
+
+def _per_channel(x: Any) -> Any:
+    """x as (N, C, spatial): batch norm's statistics reduce dims (0, 2) of it. XLA:CPU reduces over the contiguous
+    minor dim of this shape much faster than over dims (0, 2, 3, ...) of the original (10x at ResNet's 2x2 maps)."""
+    return x.reshape(x.shape[0], x.shape[1], math.prod(x.shape[2:]))
 
 
 def _stat_dtype(input: Any, *params: Any) -> Any:
@@ -52,8 +59,8 @@ def _batch_norm_math(
 ) -> tuple[Any, Any, Any, Any, Any]:
     """(output, save_mean, save_invstd, new running_mean, new running_var)."""
     _check_mixed(input, weight, bias, running_mean, running_var)
-    x = _opmath(input)
-    axes = (0,) + tuple(range(2, x.ndim))
+    x = _per_channel(_opmath(input))
+    axes = (0, 2)
     cs = _channel_shape(x)
     stat = _stat_dtype(input, weight, bias, running_mean, running_var)
     new_rm, new_rv = running_mean, running_var
@@ -79,7 +86,7 @@ def _batch_norm_math(
         y = y * _opmath(weight).reshape(cs)
     if bias is not None:
         y = y + _opmath(bias).reshape(cs)
-    return y.astype(input.dtype), save_mean, save_invstd, new_rm, new_rv
+    return y.reshape(input.shape).astype(input.dtype), save_mean, save_invstd, new_rm, new_rv
 
 
 @functools.lru_cache(maxsize=256)
@@ -183,8 +190,8 @@ def native_batch_norm_backward(
     grad_out: Any, input: Any, weight: Any, running_mean: Any, running_var: Any, save_mean: Any,
     save_invstd: Any, train: bool, eps: float, output_mask: Sequence[bool],
 ) -> tuple[Any, Any, Any]:
-    x, g = _opmath(input), _opmath(grad_out)
-    axes = (0,) + tuple(range(2, x.ndim))
+    x, g = _per_channel(_opmath(input)), _per_channel(_opmath(grad_out))
+    axes = (0, 2)
     cs = _channel_shape(x)
     if train:
         mean, invstd = _opmath(save_mean), _opmath(save_invstd)
@@ -201,7 +208,8 @@ def native_batch_norm_backward(
     else:
         grad_input = g * scale
     wdtype = weight.dtype if weight is not None else input.dtype
-    return _masked(output_mask, grad_input.astype(input.dtype), sum_gx.astype(wdtype), sum_g.astype(wdtype))
+    return _masked(output_mask, grad_input.reshape(input.shape).astype(input.dtype), sum_gx.astype(wdtype),
+                   sum_g.astype(wdtype))
 
 
 @lower("batch_norm_backward")
