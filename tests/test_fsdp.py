@@ -130,21 +130,25 @@ def _scenario_fsdp() -> None:
     print(f"rank {rank}: group up in {time.monotonic() - t0:.1f} s", flush=True)
     # Which reduce op FSDP hands tpu_dist for its gradients (the point of the PREMUL_SUM case).
     seen_ops: list[str] = []
+    seen_dtypes: set = set()  # and the dtypes it reduces in (reduce_dtype=float32 in the bfloat16 cases)
     reduce_scatter_single = dist.reduce_scatter_single
 
     def recording(*args, **kwargs):
         seen_ops.append(str(kwargs["op"].op if hasattr(kwargs["op"], "op") else kwargs["op"]))
+        seen_dtypes.update((kwargs["input"].dtype, kwargs["output"].dtype))
         return reduce_scatter_single(*args, **kwargs)
 
     dist.reduce_scatter_single = recording
     for case in os.environ["TEST_CASES"].split(","):
         parts = case.split("-")
         seen_ops.clear()
+        seen_dtypes.clear()
         t0 = time.monotonic()
         with torch.tpu.set_eager_mode("DEFER_AND_FUSE" if "fused" in parts else torch.tpu.eager_mode):
             _train(rank, n, dev, reshard=parts[0] == "reshard", bf16=parts[1] == "bf16", premul="premul" in parts)
         want = "RedOpType.PREMUL_SUM" if "premul" in parts else "RedOpType.AVG"
         assert seen_ops and set(seen_ops) == {want}, seen_ops
+        assert seen_dtypes == {torch.float32}, (case, seen_dtypes)
         print(f"rank {rank}: {case} ok ({len(seen_ops)} reduce-scatters with {want}, "
               f"{time.monotonic() - t0:.1f} s)", flush=True)
     dist.destroy_process_group()
