@@ -50,3 +50,26 @@ def rss_bytes() -> int:
 @pytest.fixture
 def tpu() -> torch.device:
     return torch.device("tpu:0")
+
+
+def check_fused_step_like_cpu(base: dict, step, dtype) -> None:
+    """A fused optimizer kernel called as GradScaler's step calls it: `step(tensors, device)` updates the lists of
+    `base` (cloned to each device) in place with grad_scale and found_inf on that device; tpu must match CPU, and
+    found_inf == 1 must leave every tensor as it was."""
+    import torch
+
+    for inf in (0.0, 1.0):
+        got = {}
+        for device in ("cpu", "tpu"):
+            t = {k: [x.clone().to(device) for x in v] for k, v in base.items()}
+            step(t, device, torch.tensor(inf, device=device))
+            got[device] = {k: [x.cpu() for x in v] for k, v in t.items()}
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        for k in base:
+            for a, b in zip(got["cpu"][k], got["tpu"][k]):
+                assert b.dtype == a.dtype
+                torch.testing.assert_close(b, a, **tol, msg=f"{k} found_inf={inf}")
+        if inf == 1.0:
+            for k in base:
+                for a, b in zip(base[k], got["tpu"][k]):
+                    assert torch.equal(a, b), k

@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from conftest import check_fused_step_like_cpu
+
 MODES = ["DEFER_NEVER", "DEFER_AND_FUSE"]
 
 SGD = {
@@ -78,24 +80,9 @@ def test_fused_sgd_grad_scale_and_found_inf_like_cpu(first: bool, dtype: torch.d
     torch.manual_seed(0)
     shapes = [(4, 3), (5,)]
     base = {k: [torch.randn(s).to(dtype) for s in shapes] for k in ("p", "g", "b")}
-    for inf in (0.0, 1.0):
-        got = {}
-        for device in ("cpu", "tpu"):
-            t = {k: [x.clone().to(device) for x in v] for k, v in base.items()}
-            torch._fused_sgd_(t["p"], t["g"], t["b"], weight_decay=0.01, momentum=0.9, lr=0.1, dampening=0.1,
-                              nesterov=True, maximize=False, is_first_step=first,
-                              grad_scale=torch.tensor(8.0, device=device),
-                              found_inf=torch.tensor(inf, device=device))
-            got[device] = {k: [x.cpu() for x in v] for k, v in t.items()}
-        tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
-        for k in base:
-            for a, b in zip(got["cpu"][k], got["tpu"][k]):
-                assert b.dtype == a.dtype
-                torch.testing.assert_close(b, a, **tol, msg=f"{k} found_inf={inf}")
-        if inf == 1.0:
-            for k in base:
-                for a, b in zip(base[k], got["tpu"][k]):
-                    assert torch.equal(a, b), k
+    check_fused_step_like_cpu(base, lambda t, device, found_inf: torch._fused_sgd_(
+        t["p"], t["g"], t["b"], weight_decay=0.01, momentum=0.9, lr=0.1, dampening=0.1, nesterov=True,
+        maximize=False, is_first_step=first, grad_scale=torch.tensor(8.0, device=device), found_inf=found_inf), dtype)
 
 
 def test_fused_sgd_refuses_mixed_devices() -> None:

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import REPO, rss_bytes
+from conftest import REPO, check_fused_step_like_cpu, rss_bytes
 
 sys.path.insert(0, str(REPO / "examples"))
 
@@ -183,23 +183,10 @@ def test_fused_adam_grad_scale_and_found_inf_like_cpu(adamw: bool, dtype: torch.
     base["v"] = [torch.rand(s).to(dtype) for s in shapes]
     base["vmax"] = [v + 0.5 for v in base["v"]]
     base["steps"] = [torch.tensor(float(i + 3)) for i in range(len(shapes))]
-    for inf in (0.0, 1.0):
-        got = {}
-        for device in ("cpu", "tpu"):
-            t = {k: [x.clone().to(device) for x in v] for k, v in base.items()}
-            op(t["p"], t["g"], t["m"], t["v"], t["vmax"], t["steps"], lr=0.01, beta1=0.9, beta2=0.99,
-               weight_decay=0.05, eps=1e-8, amsgrad=True, maximize=False,
-               grad_scale=torch.tensor(4.0, device=device), found_inf=torch.tensor(inf, device=device))
-            got[device] = {k: [x.cpu() for x in v] for k, v in t.items()}
-        tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
-        for k in base:
-            for a, b in zip(got["cpu"][k], got["tpu"][k]):
-                assert b.dtype == a.dtype
-                torch.testing.assert_close(b, a, **tol, msg=f"{k} found_inf={inf}")
-        if inf == 1.0:
-            for k in base:
-                for a, b in zip(base[k], got["tpu"][k]):
-                    assert torch.equal(a, b), k
+    check_fused_step_like_cpu(base, lambda t, device, found_inf: op(
+        t["p"], t["g"], t["m"], t["v"], t["vmax"], t["steps"], lr=0.01, beta1=0.9, beta2=0.99, weight_decay=0.05,
+        eps=1e-8, amsgrad=True, maximize=False, grad_scale=torch.tensor(4.0, device=device), found_inf=found_inf),
+        dtype)
 
 
 def test_fused_adam_refuses_mixed_devices() -> None:
