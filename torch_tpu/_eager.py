@@ -334,6 +334,26 @@ def install() -> None:
     _LIB = lib
 
 
+_OTHER_LIBS: dict[str, torch.library.Library] = {}
+
+
+def install_lowering(name: str) -> OpKernel:
+    """Installs the PrivateUse1 kernel of one lowering registered after `install()` under another namespace's name
+    ("ns::op", e.g. a `torch.tpu.jax_op`): its functional form only, the Python kernel (no C++ fast path)."""
+    lowering = LOWERINGS[name]
+    ns, _, op_name = name.rpartition("::")
+    if not ns or ns == "aten" or lowering.variants or not lowering.jit:
+        raise RuntimeError(f"torch_tpu: install_lowering({name!r}) is for other namespaces' functional, jitted "
+                           "lowerings registered with variants=False; aten lowerings are installed by install()")
+    kernel = OpKernel(lowering, _overload(name))
+    KERNELS[name] = kernel
+    lib = _OTHER_LIBS.get(ns)
+    if lib is None:
+        lib = _OTHER_LIBS[ns] = torch.library.Library(ns, "IMPL")
+    lib.impl(op_name, kernel.functional, "PrivateUse1")
+    return kernel
+
+
 def _install_eager(kernel: OpKernel, name: str, inplace: bool, impl: Callable[..., None]) -> None:
     """Installs a lowering's functional or in-place form. A jitted lowering gets the C++ kernel
     (runtime/TpuDispatch.cpp): it runs cache hits without entering Python and calls the Python kernel otherwise."""

@@ -375,3 +375,16 @@ class _DeviceModule(type(contextlib)):  # the module type, with `eager_mode` as 
 import sys as _sys  # noqa: E402
 
 _sys.modules[__name__].__class__ = _DeviceModule
+
+
+# ---- the JAX bridge: torch.tpu.jax_op (torch_tpu/_jax_op.py) ----
+__all__ += ["jax_op"]
+
+
+def jax_op(fn: Any = None, **kwargs: Any) -> Any:
+    """A JAX (or Pallas) function as a torch custom op on tpu tensors: `torch.tpu.jax_op(fn)` or
+    `@torch.tpu.jax_op(name=..., static_argnames=..., backward=...)`; see torch_tpu/_jax_op.py and the user guide,
+    "Calling JAX and Pallas from torch"."""
+    from torch_tpu._jax_op import jax_op as make
+
+    return make(fn, **kwargs)
