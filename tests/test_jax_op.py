@@ -68,6 +68,25 @@ def test_forward_and_vjp_backward_match_torch(mode: str) -> None:
     torch.testing.assert_close(wt.grad.cpu(), wc.grad, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("mode", ["never", "fuse"])
+def test_complex_gradients_follow_torch_convention(mode: str) -> None:
+    torch.manual_seed(0)
+    z, w = torch.randn(5, dtype=torch.complex64), torch.randn(5, dtype=torch.complex64)
+    op = torch.tpu.jax_op(lambda z, w: jnp.sin(z) * w, name=f"test_complex_sin_{mode}")
+
+    def step(z, w):
+        out = op(z, w)
+        return (out * out.conj()).real.sum() + out.imag.sum(), out
+
+    zt, wt = z.to("tpu").requires_grad_(), w.to("tpu").requires_grad_()
+    _train(mode, step, zt, wt)
+    zc, wc = z.clone().requires_grad_(), w.clone().requires_grad_()
+    out = torch.sin(zc) * wc
+    ((out * out.conj()).real.sum() + out.imag.sum()).backward()
+    torch.testing.assert_close(zt.grad.cpu(), zc.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(wt.grad.cpu(), wc.grad, rtol=1e-5, atol=1e-5)
+
+
 def test_fused_mode_records_the_op_without_a_flush() -> None:
     x = torch.randn(16, device="tpu")
     torch.tpu.synchronize()

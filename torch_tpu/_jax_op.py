@@ -50,15 +50,11 @@ class _Spec:
 
     def call(self, xs: Sequence[Any]) -> tuple[list[Any], Any]:
         """The user's function on arrays `xs` (the tensor leaves): its flat outputs and their pytree."""
-        arrays = iter(xs)
-        others = iter(self.others)
-        leaves = [next(arrays) if m else next(others) for m in self.mask]
-        args, kwargs = pytree.tree_unflatten(leaves, self.tree)
-        out = self.op.fn(*args, **kwargs, **dict(self.static_kw))
-        flat, tree = pytree.tree_flatten(out)
-        return flat, tree
+        args, kwargs = self.args_of(xs)
+        return pytree.tree_flatten(self.op.fn(*args, **kwargs))
 
     def args_of(self, xs: Sequence[Any]) -> tuple[tuple, dict]:
+        """The function's arguments with arrays `xs` in the tensor leaves' places and the statics in theirs."""
         arrays = iter(xs)
         others = iter(self.others)
         leaves = [next(arrays) if m else next(others) for m in self.mask]
@@ -223,10 +219,12 @@ class JaxOp:
         diff = [i for i, x in enumerate(xs) if jnp.issubdtype(x.dtype, jnp.inexact)]
         f = self._differentiable(s, xs)
         outs, pull = jax.vjp(f, *xs)
-        cts = [c.astype(o.dtype) if jnp.issubdtype(o.dtype, jnp.inexact) else np.zeros(o.shape, jax.dtypes.float0)
-               for c, o in zip(cts, outs)]
+        # PyTorch's complex gradients are the conjugates of JAX's (conjugate Wirtinger calculus): its gradient is
+        # conj(vjp(conj(cotangent))); for real dtypes conj is the identity.
+        cts = [jnp.conj(c.astype(o.dtype)) if jnp.issubdtype(o.dtype, jnp.inexact)
+               else np.zeros(o.shape, jax.dtypes.float0) for c, o in zip(cts, outs)]
         grads = pull(tuple(cts))
-        return tuple(grads[i] for i in diff)
+        return tuple(jnp.conj(grads[i]) if jnp.iscomplexobj(xs[i]) else grads[i] for i in diff)
 
     def _differentiable(self, s: _Spec, xs: Sequence[Any]) -> Callable[..., Any]:
         """The flat function of all tensor leaves, with the user's backward where one is given."""
