@@ -200,14 +200,22 @@ def test_compile_lowers_the_op_inline_in_one_program() -> None:
     torch._dynamo.reset()
     counters.clear()
     x = torch.randn(4, 8)
+    fresh = torch.tpu.jax_op(_gelu, name="test_gelu_compiled")  # first called while Dynamo traces
 
     def f(x):
-        return gelu(x.sin()).cos() * 2
+        return fresh(x.sin()).cos() * 2
 
-    got = torch.compile(f, backend="tpu", fullgraph=True)(x.to("tpu"))
+    cf = torch.compile(f, backend="tpu", fullgraph=True)
+    got = cf(x.to("tpu"))
     assert counters["tpu"]["xla_programs"] == 1, dict(counters["tpu"])
     assert counters["tpu"].get("eager_fallback_graphs", 0) == 0
     torch.testing.assert_close(got.cpu(), torch.nn.functional.gelu(x.sin(), approximate="tanh").cos() * 2,
+                               rtol=1e-5, atol=1e-5)
+    before = (dict(counters["tpu"]), counters["stats"]["unique_graphs"])
+    x2 = torch.randn(4, 8)
+    got2 = cf(x2.to("tpu"))  # same shapes: no new Dynamo graph, no new program (the spec's guards hold)
+    assert (dict(counters["tpu"]), counters["stats"]["unique_graphs"]) == before
+    torch.testing.assert_close(got2.cpu(), torch.nn.functional.gelu(x2.sin(), approximate="tanh").cos() * 2,
                                rtol=1e-5, atol=1e-5)
 
 

@@ -26,7 +26,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils import _pytree as pytree
+from torch._dynamo import assume_constant_result, dont_skip_tracing  # (this module loads on first use only)
 
 from torch_tpu import _deferred, _eager, _runtime
 from torch_tpu.kernels.registry import lower
@@ -37,29 +37,80 @@ NAMESPACE = "tpu_jax"
 _LOCK = threading.Lock()
 _NAMES: set[str] = set()
 _SPECS: dict[str, "_Spec"] = {}
+_OPS: dict[str, "JaxOp"] = {}
+
+
+_TENSOR = ("T",)
+
+
+def _flatten(x: Any, leaves: list, is_leaf: Callable[[Any], bool]) -> tuple:
+    """A pytree's structure as nested tuples of constants (what Dynamo can pass around as a constant): leaves for
+    which `is_leaf` holds are appended to `leaves` and stand as ("T",); tuples, lists and dicts are nodes; any
+    other value is a static leaf ("static", value)."""
+    if is_leaf(x):
+        leaves.append(x)
+        return _TENSOR
+    if isinstance(x, tuple):
+        return ("tuple", tuple([_flatten(v, leaves, is_leaf) for v in x]))
+    if isinstance(x, list):
+        return ("list", tuple([_flatten(v, leaves, is_leaf) for v in x]))
+    if isinstance(x, dict):
+        keys = tuple(x.keys())
+        return ("dict", keys, tuple([_flatten(x[k], leaves, is_leaf) for k in keys]))
+    return ("static", x)
+
+
+def _build(desc: tuple, leaves: Any) -> Any:
+    """The pytree `desc` describes, with values from iterator `leaves` in its ("T",) places."""
+    kind = desc[0]
+    if kind == "T":
+        return next(leaves)
+    if kind == "static":
+        return desc[1]
+    if kind == "dict":
+        return {k: _build(d, leaves) for k, d in zip(desc[1], desc[2])}
+    items = [_build(d, leaves) for d in desc[1]]
+    return tuple(items) if kind == "tuple" else items
+
+
+def _count(desc: tuple) -> int:
+    kind = desc[0]
+    if kind == "T":
+        return 1
+    if kind == "static":
+        return 0
+    return sum(_count(d) for d in desc[-1])
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, (tuple, list, dict))
 
 
 class _Spec:
-    """One call structure of one JaxOp."""
+    """One call structure of one JaxOp: the arguments' structure (with the static values in it) and the static
+    keyword arguments; the output structure once the function has been traced."""
 
-    __slots__ = ("op", "tree", "mask", "others", "static_kw", "out_tree", "key")
+    __slots__ = ("op", "desc", "static_kw", "out_desc", "key")
 
-    def __init__(self, op: "JaxOp", tree: Any, mask: tuple, others: tuple, static_kw: tuple, key: str) -> None:
-        self.op, self.tree, self.mask, self.others, self.static_kw, self.key = op, tree, mask, others, static_kw, key
-        self.out_tree: Any = None  # the output pytree, known once the function has been traced
-
-    def call(self, xs: Sequence[Any]) -> tuple[list[Any], Any]:
-        """The user's function on arrays `xs` (the tensor leaves): its flat outputs and their pytree."""
-        args, kwargs = self.args_of(xs)
-        return pytree.tree_flatten(self.op.fn(*args, **kwargs))
+    def __init__(self, op: "JaxOp", desc: tuple, static_kw: tuple, key: str) -> None:
+        self.op, self.desc, self.static_kw, self.key = op, desc, static_kw, key
+        self.out_desc: tuple | None = None
 
     def args_of(self, xs: Sequence[Any]) -> tuple[tuple, dict]:
         """The function's arguments with arrays `xs` in the tensor leaves' places and the statics in theirs."""
-        arrays = iter(xs)
-        others = iter(self.others)
-        leaves = [next(arrays) if m else next(others) for m in self.mask]
-        args, kwargs = pytree.tree_unflatten(leaves, self.tree)
+        args, kwargs = _build(self.desc, iter(xs))
         return args, {**kwargs, **dict(self.static_kw)}
+
+    def call(self, xs: Sequence[Any]) -> tuple[list[Any], tuple]:
+        """The user's function on arrays `xs` (the tensor leaves): its flat outputs and their structure."""
+        args, kwargs = self.args_of(xs)
+        flat: list[Any] = []
+        desc = _flatten(self.op.fn(*args, **kwargs), flat, _is_array)
+        return flat, desc
 
 
 def _describe(xs: Sequence[Any]) -> str:
@@ -89,6 +140,7 @@ class JaxOp:
         self.qualname = f"{NAMESPACE}::{self.name}"
         self._keys: dict[Any, str] = {}
         self._define()
+        _OPS[self.name] = self
 
     # ---- definition ----
     def _unique_name(self, name: str | None) -> str:
@@ -146,16 +198,12 @@ class JaxOp:
         for k in self.static_argnames:
             if k in kwargs:
                 static_kw.append((k, kwargs.pop(k)))
-        leaves, tree = pytree.tree_flatten((args, kwargs))
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        mask = tuple(isinstance(x, torch.Tensor) for x in leaves)
-        others = tuple(x for x in leaves if not isinstance(x, torch.Tensor))
+        tensors: list[torch.Tensor] = []
+        desc = _flatten((args, kwargs), tensors, _is_tensor)
         self._check(tensors)
-        spec = self._spec(tree, mask, others, tuple(static_kw))
-        out = self._fwd(tensors, spec.key)
-        if spec.out_tree is None:  # (set when the function was traced: by the kernel or the fake implementation)
-            raise RuntimeError(f"torch.tpu.jax_op {self.fn_name}: the output structure is unknown after the call")
-        return pytree.tree_unflatten(list(out), spec.out_tree)
+        key = _intern(self.name, desc, tuple(static_kw))  # (run by Dynamo at trace time: a constant string)
+        out = self._fwd(tensors, key)
+        return _build(_out_desc(key), iter(out))
 
     def _check(self, tensors: list[torch.Tensor]) -> None:
         for i, t in enumerate(tensors):
@@ -170,23 +218,23 @@ class JaxOp:
                     f"{t.device}; every tensor argument must be a tpu tensor (inputs {_describe(tensors)}). "
                     "Move it with .to('tpu').")
 
-    def _spec(self, tree: Any, mask: tuple, others: tuple, static_kw: tuple) -> _Spec:
+    def _spec(self, desc: tuple, static_kw: tuple) -> str:
+        ident = (desc, static_kw)
         try:
-            ident = (repr(tree), mask, tuple((type(o), o) for o in others), static_kw)
             hash(ident)
         except TypeError:
             raise TypeError(f"torch.tpu.jax_op {self.fn_name}: static arguments (non-tensor values and "
-                            f"static_argnames {list(self.static_argnames)}) must be hashable; got "
-                            f"{[o for o in others]} and {dict(static_kw)}") from None
+                            f"static_argnames {list(self.static_argnames)}) must be hashable; got the structure "
+                            f"{desc} and {dict(static_kw)}") from None
         key = self._keys.get(ident)
         if key is None:
             with _LOCK:
                 key = self._keys.get(ident)
                 if key is None:
                     key = f"{self.name}#{len(self._keys)}{_deferred._LOCAL}"
-                    _SPECS[key] = _Spec(self, tree, mask, others, static_kw, key)
+                    _SPECS[key] = _Spec(self, desc, static_kw, key)
                     self._keys[ident] = key
-        return _SPECS[key]
+        return key
 
     # ---- lowerings (functions of arrays) ----
     def _traced(self, spec: _Spec, xs: Sequence[Any]) -> list[Any]:
@@ -195,15 +243,15 @@ class JaxOp:
         except Exception as e:
             raise type(e)(f"torch.tpu.jax_op {self.fn_name} failed on inputs {_describe(xs)} "
                           f"(static {dict(spec.static_kw)}): {e}") if _plain(e) else e
-        bad = [type(o).__name__ for o in flat if not hasattr(o, "shape") or not hasattr(o, "dtype")]
+        bad = [repr(d[1])[:40] for d in _statics(tree)]
         if bad:
             raise TypeError(f"torch.tpu.jax_op {self.fn_name}: outputs must be arrays in tuples/lists/dicts; got "
-                            f"{bad} (inputs {_describe(xs)})")
-        if spec.out_tree is None:
-            spec.out_tree = tree
-        elif spec.out_tree != tree:
+                            f"the non-array values {bad} (inputs {_describe(xs)})")
+        if spec.out_desc is None:
+            spec.out_desc = tree
+        elif spec.out_desc != tree:
             raise RuntimeError(f"torch.tpu.jax_op {self.fn_name}: its output structure changed with the input shapes "
-                               f"{_describe(xs)} ({spec.out_tree} before, {tree} now); one op call must keep one "
+                               f"{_describe(xs)} ({spec.out_desc} before, {tree} now); one op call must keep one "
                                "output structure")
         return flat
 
@@ -243,30 +291,28 @@ class JaxOp:
 
         def g_bwd(res: tuple, ct: tuple) -> tuple:
             args, kwargs = s.args_of(res)
-            ct_tree = pytree.tree_unflatten(list(ct), s.out_tree)
+            ct_tree = _build(s.out_desc, iter(ct))
             given = self.backward(ct_tree, *args, **kwargs)
-            if not isinstance(given, (tuple, list)) or len(given) != len(args):
+            arg_descs = s.desc[1][0][1]  # (the structure is ((args...), {kwargs}))
+            if not isinstance(given, (tuple, list)) or len(given) != len(arg_descs):
                 raise TypeError(f"torch.tpu.jax_op {self.fn_name}: backward must return a tuple with one gradient "
-                                f"(or None) per positional argument ({len(args)}); got {type(given).__name__}"
+                                f"(or None) per positional argument ({len(arg_descs)}); got {type(given).__name__}"
                                 + (f" of length {len(given)}" if isinstance(given, (tuple, list)) else ""))
             grads: list[Any] = []
-            leaf_mask = iter(s.mask)
             arrays = iter(res)
-            for arg, g_arg in zip(args, given):
-                n = len(pytree.tree_leaves(arg))
-                g_leaves = pytree.tree_leaves(g_arg) if g_arg is not None else None
-                if g_leaves is not None and len(g_leaves) != n:
-                    raise TypeError(f"torch.tpu.jax_op {self.fn_name}: backward's gradient of an argument has "
-                                    f"{len(g_leaves)} leaves where the argument has {n}")
+            for d, g_arg in zip(arg_descs, given):
+                n = _count(d)
+                g_leaves: list[Any] = []
+                if g_arg is not None:
+                    _flatten(g_arg, g_leaves, _is_array)
+                    if len(g_leaves) != n:
+                        raise TypeError(f"torch.tpu.jax_op {self.fn_name}: backward gave {len(g_leaves)} gradient "
+                                        f"arrays for an argument with {n} tensors")
                 for j in range(n):
-                    if next(leaf_mask):
-                        x = next(arrays)
-                        grads.append(None if g_leaves is None or not jnp.issubdtype(x.dtype, jnp.inexact)
-                                     else jnp.asarray(g_leaves[j]).astype(x.dtype).reshape(x.shape))
-            for m in leaf_mask:  # keyword arguments' tensors: no gradient
-                if m:
-                    next(arrays)
-                    grads.append(None)
+                    x = next(arrays)
+                    grads.append(None if g_arg is None or not jnp.issubdtype(x.dtype, jnp.inexact)
+                                 else jnp.asarray(g_leaves[j]).astype(x.dtype).reshape(x.shape))
+            grads.extend(None for _ in arrays)  # tensors passed by keyword: no gradient
             return tuple(grads)
 
         g.defvjp(g_fwd, g_bwd)
@@ -296,6 +342,30 @@ class JaxOp:
                for g, (shape, dtype, device) in zip(grads, ctx.outs)]
         got = iter(self._vjp(xs, cts, ctx.spec))
         return [next(got) if x.dtype.is_floating_point or x.dtype.is_complex else None for x in xs], None
+
+
+def _statics(desc: tuple) -> list[tuple]:
+    if desc[0] == "static":
+        return [desc]
+    if desc[0] == "T":
+        return []
+    return [x for d in desc[-1] for x in _statics(d)]
+
+
+@assume_constant_result
+def _intern(name: str, desc: tuple, static_kw: tuple) -> str:
+    """The spec string of a call structure of op `name` (Dynamo runs this at trace time: the result is a constant
+    of the graph, and the table entry exists for the fake implementation and the lowering)."""
+    return _OPS[name]._spec(desc, static_kw)
+
+
+@assume_constant_result
+def _out_desc(key: str) -> tuple:
+    """The output structure of spec `key`, known once the op has run or been traced (fake implementation)."""
+    desc = _SPECS[key].out_desc
+    if desc is None:
+        raise RuntimeError(f"torch.tpu.jax_op: the output structure of {key} is unknown after its call")
+    return desc
 
 
 def _plain(e: Exception) -> bool:
@@ -335,8 +405,6 @@ def jax_op(fn: Callable[..., Any] | None = None, *, name: str | None = None,
     def make(f: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(f):
             raise TypeError(f"torch.tpu.jax_op: expected a function, got {type(f).__name__}")
-        from torch._dynamo import dont_skip_tracing  # (this module loads on first use, never at `import torch`)
-
         op = JaxOp(f, name, static_argnames, backward)
         call = dont_skip_tracing(op._call)  # a function Dynamo traces (torch_tpu's own files are skipped)
         functools.update_wrapper(call, f)
