@@ -244,3 +244,16 @@ def test_errors_name_the_function_and_shapes() -> None:
     with pytest.raises(TypeError, match="must be hashable"):
         stats({"a": torch.randn(3, device="tpu"), "pair": (torch.randn(3, device="tpu"),) * 2}, 1.0,
               axis=[0], squash=True)
+
+
+def test_eager_calls_compile_once_per_shape_and_static() -> None:
+    op = torch.tpu.jax_op(lambda x, *, k: jnp.cumsum(x, axis=0) * k, name="test_cumsum_k", static_argnames="k")
+    a, b = torch.randn(6, 3, device="tpu"), torch.randn(6, 3, device="tpu")
+    op(a, k=2).cpu()  # warm: this shape and static value compiled
+    torch.tpu.reset_metrics()
+    got = op(b, k=2).cpu()  # same shape and static: the cached executable
+    assert torch.tpu.metrics().compiles == 0
+    torch.testing.assert_close(got, torch.cumsum(b.cpu(), 0) * 2, rtol=1e-6, atol=1e-6)
+    got3 = op(b, k=3).cpu()  # a new static value is a new program, with its own value (never a stale one)
+    torch.testing.assert_close(got3, torch.cumsum(b.cpu(), 0) * 3, rtol=1e-6, atol=1e-6)
+    assert torch.tpu.metrics().compiles >= 1
