@@ -10,6 +10,7 @@ import torch
 from jax.experimental import pallas as pl
 from torch._dynamo.utils import counters
 
+from conftest import run_python
 from torch_tpu._deferred import EagerMode
 
 MODES = ["never", "fuse", "compile"]
@@ -252,8 +253,28 @@ def test_eager_calls_compile_once_per_shape_and_static() -> None:
     op(a, k=2).cpu()  # warm: this shape and static value compiled
     torch.tpu.reset_metrics()
     got = op(b, k=2).cpu()  # same shape and static: the cached executable
-    assert torch.tpu.metrics().compiles == 0
+    m = torch.tpu.metrics()
+    assert m.compiles == 0 and m.persistent_cache_hits == 0, m
     torch.testing.assert_close(got, torch.cumsum(b.cpu(), 0) * 2, rtol=1e-6, atol=1e-6)
     got3 = op(b, k=3).cpu()  # a new static value is a new program, with its own value (never a stale one)
     torch.testing.assert_close(got3, torch.cumsum(b.cpu(), 0) * 3, rtol=1e-6, atol=1e-6)
-    assert torch.tpu.metrics().compiles >= 1
+    m = torch.tpu.metrics()  # (compiled, or loaded from the on-disk cache of an earlier run)
+    assert m.compiles + m.persistent_cache_hits >= 1, m
+
+
+def test_second_device_and_mixed_devices() -> None:
+    code = (
+        "import torch, jax\n"
+        "op = torch.tpu.jax_op(lambda x, y: x * y + 1, name='mul1')\n"
+        "a, b = torch.randn(3), torch.randn(3)\n"
+        "out = op(a.to('tpu:1'), b.to('tpu:1'))\n"
+        "assert out.device == torch.device('tpu:1'), out.device\n"
+        "torch.testing.assert_close(out.cpu(), a * b + 1)\n"
+        "try:\n"
+        "    op(a.to('tpu:0'), b.to('tpu:1'))\n"
+        "except RuntimeError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    r = run_python(code, env={"TORCH_TPU_NUM_DEVICES": "2"}, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "ERR torch.tpu.jax_op <lambda>: tensor argument 1 is on tpu:1 and argument 0 on tpu:0" in r.stdout, r.stdout

@@ -134,7 +134,7 @@ class OpKernel(Signature):
             run = self._runs.get(key)
             if run is None:
                 run = self._runs[key] = self._traced(static, out_dtype)
-                run._torch_tpu_op = f"aten::{self.name}"  # type: ignore[attr-defined]
+                run._torch_tpu_op = _qualified(self.name)  # type: ignore[attr-defined]
             return index, _executor.record(index, (self.name, key), run, dyn)
         fn = self._jits.get(key)
         if fn is None:
@@ -151,7 +151,7 @@ class OpKernel(Signature):
         try:
             return index, fn(*dyn)
         except RuntimeError:  # PJRT's RESOURCE_EXHAUSTED becomes torch.OutOfMemoryError
-            _memory.raise_if_oom(index, f"aten::{self.name}")
+            _memory.raise_if_oom(index, _qualified(self.name))
             raise
 
     # -- the three installed forms --
@@ -276,6 +276,11 @@ class OpKernel(Signature):
         if _current_mode() == _executor.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
             _executor.block_arrays(result)
         return outs[0] if n_out == 1 else tuple(outs)
+
+
+def _qualified(name: str) -> str:
+    """The op's name in messages: "aten::add.Tensor", or another namespace's "ns::op" as it stands."""
+    return name if "::" in name else f"aten::{name}"
 
 
 def _jit(lowering: Any, fn: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:

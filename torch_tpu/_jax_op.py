@@ -217,6 +217,10 @@ class JaxOp:
                     f"torch.tpu.jax_op {self.fn_name}: tensor argument {i} (shape {list(t.shape)}, {t.dtype}) is on "
                     f"{t.device}; every tensor argument must be a tpu tensor (inputs {_describe(tensors)}). "
                     "Move it with .to('tpu').")
+            if t.device != tensors[0].device:
+                raise RuntimeError(
+                    f"torch.tpu.jax_op {self.fn_name}: tensor argument {i} is on {t.device} and argument 0 on "
+                    f"{tensors[0].device}; one call runs on one device (inputs {_describe(tensors)})")
 
     def _spec(self, desc: tuple, static_kw: tuple) -> str:
         ident = (desc, static_kw)
