@@ -242,6 +242,8 @@ def test_errors_name_the_function_and_shapes() -> None:
     bad = torch.tpu.jax_op(lambda x, y: x @ y, name="test_bad_matmul")
     with pytest.raises(TypeError, match=r"<lambda> failed on inputs \(\[2, 3\] float32, \[4, 5\] float32\)"):
         bad(torch.randn(2, 3, device="tpu"), torch.randn(4, 5, device="tpu"))
+    with pytest.raises(RuntimeError, match="<lambda>: a call needs at least one tpu tensor"):
+        torch.tpu.jax_op(lambda: jnp.ones(3), name="test_no_inputs")()
     with pytest.raises(TypeError, match="must be hashable"):
         stats({"a": torch.randn(3, device="tpu"), "pair": (torch.randn(3, device="tpu"),) * 2}, 1.0,
               axis=[0], squash=True)

@@ -183,6 +183,9 @@ class JaxOp:
 
     def _eager_only(self, *args: Any) -> Any:  # the kernel of devices other than tpu
         tensors = [t for a in args if isinstance(a, (list, tuple)) for t in a]
+        if not tensors:
+            raise RuntimeError(f"torch.tpu.jax_op {self.fn_name}: a call needs at least one tpu tensor argument (it "
+                               "places the call on that tensor's device); pass the inputs as tensors")
         raise RuntimeError(f"torch.tpu.jax_op {self.fn_name}: runs on tpu tensors only; got tensors on "
                            f"{sorted({str(t.device) for t in tensors})} with shapes {_describe(tensors)}. "
                            "Move them with .to('tpu') first.")
