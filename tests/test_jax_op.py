@@ -292,3 +292,19 @@ def test_second_device_and_mixed_devices() -> None:
     r = run_python(code, env={"TORCH_TPU_NUM_DEVICES": "2"}, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "ERR torch.tpu.jax_op <lambda>: tensor argument 1 is on tpu:1 and argument 0 on tpu:0" in r.stdout, r.stdout
+
+
+def test_opcheck_schema_fake_and_aot_dispatch() -> None:
+    """PyTorch's own custom-op checks: the fake implementation (jax.eval_shape) matches the real outputs, the schema
+    holds, and AOT dispatch (static and dynamic shapes) works. (opcheck's autograd-registration check is not
+    implemented by PyTorch for devices other than CPU/CUDA/XPU; autograd is checked against CPU above.)"""
+    f = torch.tpu.jax_op(lambda x, y: {"p": jnp.sin(x) * y, "s": x.sum()}, name="test_opcheck_sinmul")
+    x = torch.randn(3, 4, device="tpu", requires_grad=True)
+    y = torch.randn(3, 4, device="tpu", requires_grad=True)
+    f(x, y)
+    op = f.jax_op
+    (key,) = op._keys.values()
+    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(op._fwd, ([x, y], key), test_utils=checks)
+    cts = [torch.randn(3, 4, device="tpu"), torch.randn((), device="tpu")]
+    torch.library.opcheck(op._vjp, ([x.detach(), y.detach()], cts, key), test_utils=checks[:2])
