@@ -48,8 +48,11 @@ def _kind(arg: Any) -> int:
 
 
 def _overload(name: str) -> Any:
+    """The OpOverload a registry name names: "add.Tensor" is aten's; "ns::op.overload" (a custom op such as a
+    `torch.tpu.jax_op`) is another namespace's."""
+    ns, _, name = name.rpartition("::")
     base, _, overload = name.partition(".")
-    return getattr(getattr(torch.ops.aten, base), overload or "default")
+    return getattr(getattr(getattr(torch.ops, ns or "aten"), base), overload or "default")
 
 
 def _same_signature(a: Any, b: Any) -> bool:
@@ -85,7 +88,8 @@ def _find_variants(op: Any) -> tuple[Any | None, Any | None]:
 
 def _name(op: Any) -> str:
     s = op._schema
-    return s.name.split("::")[1] + ("." + s.overload_name if s.overload_name else "")
+    ns, _, base = s.name.partition("::")
+    return ("" if ns == "aten" else ns + "::") + base + ("." + s.overload_name if s.overload_name else "")
 
 
 def overload_name(op: Any) -> str:

@@ -312,8 +312,9 @@ def _check_lowerings(gm: torch.fx.GraphModule, name: str) -> list[str]:
             continue
         if isinstance(target, torch._ops.OpOverload):
             op = _trace.overload_name(target)
-            if target.namespace != "aten" or not _trace.traceable(op):
-                problems.append(f"{target.namespace}::{op} (node {node.name}; inputs {_describe(node)})")
+            if not _trace.traceable(op):  # (other namespaces' ops are traceable when registered: torch.tpu.jax_op)
+                qualified = op if "::" in op else f"{target.namespace}::{op}"
+                problems.append(f"{qualified} (node {node.name}; inputs {_describe(node)})")
             elif target in (aten.as_strided.default, aten.as_strided_copy.default):
                 src = node.args[0].meta.get("val")
                 if (isinstance(src, torch.Tensor) and not _symbolic(src)

@@ -134,7 +134,7 @@ class OpKernel(Signature):
             run = self._runs.get(key)
             if run is None:
                 run = self._runs[key] = self._traced(static, out_dtype)
-                run._torch_tpu_op = f"aten::{self.name}"  # type: ignore[attr-defined]
+                run._torch_tpu_op = _qualified(self.name)  # type: ignore[attr-defined]
             return index, _executor.record(index, (self.name, key), run, dyn)
         fn = self._jits.get(key)
         if fn is None:
@@ -151,7 +151,7 @@ class OpKernel(Signature):
         try:
             return index, fn(*dyn)
         except RuntimeError:  # PJRT's RESOURCE_EXHAUSTED becomes torch.OutOfMemoryError
-            _memory.raise_if_oom(index, f"aten::{self.name}")
+            _memory.raise_if_oom(index, _qualified(self.name))
             raise
 
     # -- the three installed forms --
@@ -279,6 +279,11 @@ class OpKernel(Signature):
         return outs[0] if n_out == 1 else tuple(outs)
 
 
+def _qualified(name: str) -> str:
+    """The op's name in messages: "aten::add.Tensor", or another namespace's "ns::op" as it stands."""
+    return name if "::" in name else f"aten::{name}"
+
+
 def _jit(lowering: Any, fn: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
     """An eager op's jitted callable: through _checks.jit (which collects the index checks its trace reports)
     when the lowering declares `checks`, else the bare jax.jit callable (no wrapper on the call)."""
@@ -308,7 +313,7 @@ def install() -> None:
         lib.impl(name, fn if deferrable else _executor.boundary(fn, reason), "PrivateUse1")
 
     for name, lowering in LOWERINGS.items():
-        if lowering.trace_only:
+        if lowering.trace_only or "::" in name:  # (other namespaces' entries: install_lowering, when defined)
             continue
         op = _overload(name)
         if any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments):
@@ -333,6 +338,26 @@ def install() -> None:
         else:
             impl(name, fn, False, reason)
     _LIB = lib
+
+
+_OTHER_LIBS: dict[str, torch.library.Library] = {}
+
+
+def install_lowering(name: str) -> OpKernel:
+    """Installs the PrivateUse1 kernel of one lowering registered after `install()` under another namespace's name
+    ("ns::op", e.g. a `torch.tpu.jax_op`): its functional form only, the Python kernel (no C++ fast path)."""
+    lowering = LOWERINGS[name]
+    ns, _, op_name = name.rpartition("::")
+    if not ns or ns == "aten" or lowering.variants or not lowering.jit:
+        raise RuntimeError(f"torch_tpu: install_lowering({name!r}) is for other namespaces' functional, jitted "
+                           "lowerings registered with variants=False; aten lowerings are installed by install()")
+    kernel = OpKernel(lowering, _overload(name))
+    KERNELS[name] = kernel
+    lib = _OTHER_LIBS.get(ns)
+    if lib is None:
+        lib = _OTHER_LIBS[ns] = torch.library.Library(ns, "IMPL")
+    lib.impl(op_name, kernel.functional, "PrivateUse1")
+    return kernel
 
 
 def _install_eager(kernel: OpKernel, name: str, inplace: bool, impl: Callable[..., None]) -> None:

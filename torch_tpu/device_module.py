@@ -378,3 +378,15 @@ _sys.modules[__name__].__class__ = _DeviceModule
 
 # ---- profiling: torch.tpu.profiler (device traces of the XLA programs; torch_tpu/_profiler.py) ----
 from torch_tpu import _profiler as profiler  # noqa: E402
+
+# ---- the JAX bridge: torch.tpu.jax_op (torch_tpu/_jax_op.py) ----
+__all__ += ["jax_op"]
+
+
+def jax_op(fn: Any = None, **kwargs: Any) -> Any:
+    """A JAX (or Pallas) function as a torch custom op on tpu tensors: `torch.tpu.jax_op(fn)` or
+    `@torch.tpu.jax_op(name=..., static_argnames=..., backward=...)`; see torch_tpu/_jax_op.py and the user guide,
+    "Calling JAX and Pallas from torch"."""
+    from torch_tpu._jax_op import jax_op as make
+
+    return make(fn, **kwargs)
