@@ -44,7 +44,7 @@ from torch._dynamo.utils import counters
 
 from torch_tpu import _C, _checks, _executor, _memory, _rng, _runtime, _storage, _trace
 from torch_tpu._jax import jax
-from torch_tpu._profiler import program_name
+from torch_tpu._profiler import graph_program_name
 from torch_tpu.kernels import registry
 from torch_tpu.kernels._schema import _overload
 
@@ -558,23 +558,17 @@ class _GraphProgram:
     @functools.cached_property
     def _named_run(self) -> Callable[..., Any]:
         """`_run` under the program's name (jax.jit names it `jit_<name>`): the graph's kind and its first distinct
-        aten ops, e.g. `torch_tpu_forward_graph_12_ops_addmm_relu` (torch_tpu/_profiler.py program_name),
+        aten ops, e.g. `torch_tpu_forward_graph_12_ops_addmm_relu` (torch_tpu/_profiler.py graph_program_name),
         the same in every process (JAX's persistent cache key starts with it, so no per-process graph number)."""
         run = self._run
 
         def program(statics: tuple, *arrays: Any) -> tuple[tuple, tuple, dict]:
             return run(statics, *arrays)
 
-        ops: list[str] = []
         calls = [n for n in self.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
-        for n in calls:
-            op = n.target.name().removeprefix("aten::")
-            if op not in ops:
-                ops.append(op)
-                if len(ops) == 4:
-                    break
         kind = self.name.rpartition("_")[2] or "graph"
-        program.__name__ = program_name("_".join(ops), f"torch_tpu_{kind}_graph_{len(calls)}_ops_")
+        program.__name__ = graph_program_name(f"torch_tpu_{kind}_graph_{len(calls)}_ops_",
+                                              (n.target.name() for n in calls))
         return program
 
     def _run(self, statics: tuple, *arrays: Any) -> tuple[tuple, tuple, dict]:

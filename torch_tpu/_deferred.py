@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 from torch_tpu import _checks, _memory, _metrics, _runtime
 from torch_tpu._jax import jax
-from torch_tpu._profiler import program_name
+from torch_tpu._profiler import graph_program_name
 
 
 class EagerMode(enum.IntEnum):
@@ -696,14 +696,7 @@ def _fused_name(g: _Graph) -> str:
     """The fused program's name (jax.jit names it `jit_<name>`): its op count and its first distinct aten ops in
     graph order, e.g. `torch_tpu_fused_7_ops_mm_add_Tensor_relu` (at most 4 named), so a device
     trace maps back to the code. Made at the compile, the same in every process (JAX's cache key starts with it)."""
-    names: list[str] = []
-    for fn, _, _ in g.nodes:
-        op = _op_name(fn).removeprefix("aten::")
-        if op not in names:
-            names.append(op)
-            if len(names) == 4:
-                break
-    return program_name("_".join(names), f"torch_tpu_fused_{len(g.nodes)}_ops_")
+    return graph_program_name(f"torch_tpu_fused_{len(g.nodes)}_ops_", (_op_name(fn) for fn, _, _ in g.nodes))
 
 
 def drop_programs() -> None:

@@ -25,7 +25,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -38,6 +38,19 @@ def program_name(op: str, prefix: str = "aten_") -> str:
     `jit_<name>`), set by every executor when it builds a program, never per call. A valid identifier and the same
     in every process: JAX's persistent cache key starts with it."""
     return prefix + re.sub(r"[^0-9A-Za-z_]", "_", op)
+
+
+def graph_program_name(prefix: str, ops: Iterable[str]) -> str:
+    """The name of a program that runs a graph of ops (a fused graph, a compiled graph): `prefix` and the first 4
+    distinct op names in graph order, e.g. `torch_tpu_fused_7_ops_mm_add_Tensor_relu`."""
+    names: list[str] = []
+    for op in ops:
+        op = op.removeprefix("aten::")
+        if op not in names:
+            names.append(op)
+            if len(names) == 4:
+                break
+    return program_name("_".join(names), prefix)
 
 
 _active: list[str] = []  # the log directory of the trace in progress (JAX allows one per process)
