@@ -122,6 +122,13 @@ def _check(name: str, lists: dict[str, list], amsgrad: bool) -> int:
     return index or 0
 
 
+def _write_lists(outs: list[tuple[list, Any]]) -> None:
+    """Writes a fused step's new arrays back into the tensors of each list, in place (pairs of tensors, arrays)."""
+    for ts, vals in outs:
+        for t, val in zip(ts, vals):
+            _storage.write(t, val)
+
+
 def _in_place(adamw: bool):
     name = f"_fused_adam{'w' if adamw else ''}_"
 
@@ -148,15 +155,12 @@ def _in_place(adamw: bool):
                         found_inf is not None)
         p, g, m, v, vmax = prog(arrays, hyper, None if grad_scale is None else read(grad_scale),
                                 None if found_inf is None else read(found_inf))
-        write = _storage.write
         outs = [(lists["self"], p), (lists["exp_avgs"], m), (lists["exp_avg_sqs"], v)]
         if grad_scale is not None:
             outs.append((lists["grads"], g))
         if amsgrad:
             outs.append((lists["max_exp_avg_sqs"], vmax))
-        for ts, vals in outs:
-            for t, val in zip(ts, vals):
-                write(t, val)
+        _write_lists(outs)
         return None
 
     fused_adam_.__name__ = name
@@ -253,9 +257,7 @@ def _fused_sgd_(self, grads, momentum_buffer_list, *, weight_decay, momentum, lr
         outs.append((lists["grads"], g))
     if momentum_on:
         outs.append((lists["momentum_buffer_list"], b))
-    for ts, vals in outs:
-        for t, val in zip(ts, vals):
-            _storage.write(t, val)
+    _write_lists(outs)
     return None
 
 

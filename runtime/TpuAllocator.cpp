@@ -292,26 +292,27 @@ DeviceStats device_stats(c10::DeviceIndex device) {
   return s;
 }
 
+// Every counter of a device's statistics (each stat array and the oversize counters), for the resets.
+template <typename F>
+void for_each_stat(DeviceStats& s, F f) {
+  for (auto* a : {&s.allocation, &s.segment, &s.active, &s.inactive_split, &s.allocated_bytes, &s.reserved_bytes,
+                  &s.active_bytes, &s.inactive_split_bytes, &s.requested_bytes})
+    for (auto& stat : *a) f(stat);
+  f(s.oversize_allocations);
+  f(s.oversize_segments);
+}
+
 void reset_peak_stats(c10::DeviceIndex device) {
   DeviceMemory& m = device_memory(device);
   std::lock_guard<std::mutex> lock(m.mu);
-  DeviceStats& s = m.stats;
-  for (auto* a : {&s.allocation, &s.segment, &s.active, &s.inactive_split, &s.allocated_bytes, &s.reserved_bytes,
-                  &s.active_bytes, &s.inactive_split_bytes, &s.requested_bytes})
-    for (auto& stat : *a) stat.reset_peak();
-  s.oversize_allocations.reset_peak();
-  s.oversize_segments.reset_peak();
+  for_each_stat(m.stats, [](auto& stat) { stat.reset_peak(); });
 }
 
 void reset_accumulated_stats(c10::DeviceIndex device) {
   DeviceMemory& m = device_memory(device);
   std::lock_guard<std::mutex> lock(m.mu);
   DeviceStats& s = m.stats;
-  for (auto* a : {&s.allocation, &s.segment, &s.active, &s.inactive_split, &s.allocated_bytes, &s.reserved_bytes,
-                  &s.active_bytes, &s.inactive_split_bytes, &s.requested_bytes})
-    for (auto& stat : *a) stat.reset_accumulated();
-  s.oversize_allocations.reset_accumulated();
-  s.oversize_segments.reset_accumulated();
+  for_each_stat(s, [](auto& stat) { stat.reset_accumulated(); });
   s.num_alloc_retries = 0;
   s.num_ooms = 0;
   s.num_sync_all_streams = 0;
