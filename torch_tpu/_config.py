@@ -180,6 +180,9 @@ VARIABLES: tuple[Var, ...] = (
     Var("TORCH_TPU_MEMORY_LIMIT", byte_size, None,
         "bytes live tpu tensors may hold per device; an allocation past it raises torch.OutOfMemoryError",
         "no limit (a TPU's own memory)"),
+    Var("TORCH_TPU_PALLAS", one_of("auto", "interpret", "reference"), "auto",
+        "Pallas kernels (kernels/pallas/): on a TPU where they fit (auto), in Pallas interpret mode (interpret: "
+        "tests on CPU) or never (reference: the XLA path); read when a program is traced"),
     Var("TORCH_TPU_SPLIT_HOST", boolean(True), True,
         "under torchrun with several processes on a TPU host, give each its share of the chips (TPU_VISIBLE_CHIPS…)"),
 )
