@@ -12,7 +12,7 @@ import torch
 from torch_tpu import _executor, _runtime, _storage
 from torch_tpu._jax import jnp, lax
 from torch_tpu.kernels.nn._common import _is_low, _masked, _opmath
-from torch_tpu.kernels._promote import wrap_arrays, write_outs
+from torch_tpu.kernels._promote import dtype_name, wrap_arrays, write_outs
 from torch_tpu.kernels.registry import direct, lower
 
 
@@ -222,20 +222,55 @@ def batch_norm_backward(
                                       update, eps, output_mask)
 
 
-@lower("native_layer_norm")
-def native_layer_norm(input: Any, normalized_shape: Sequence[int], weight: Any, bias: Any, eps: float) -> tuple[Any, Any, Any]:
+# ---- layer norm and RMS norm: the XLA reference paths of kernels/pallas/norms.py ----
+# The ATen lowerings (native_layer_norm, _fused_rms_norm and their backward ops) live in kernels/pallas/norms.py,
+# which checks the arguments here, then runs the fused Pallas kernel where it fits on a TPU, else these.
+
+
+def norm_axis(op: str, input: Any, normalized_shape: Sequence[int]) -> int:
+    """The first normalised dim of `input` (ATen's _check_layer_norm_inputs / _check_rms_norm_inputs)."""
     if len(normalized_shape) == 0:
         raise RuntimeError(
             "Expected normalized_shape to be at least 1-dimensional, i.e., containing at least one element, but got "
-            f"normalized_shape = [] (layer_norm of an input of shape {list(input.shape)})")
-    _check_mixed(input, weight, bias)
-    x = _opmath(input)
-    axis = x.ndim - len(normalized_shape)
-    if tuple(x.shape[axis:]) != tuple(normalized_shape) or axis < 0:
+            f"normalized_shape = [] ({op} of an input of shape {list(input.shape)})")
+    axis = input.ndim - len(normalized_shape)
+    if axis < 0 or tuple(input.shape[axis:]) != tuple(normalized_shape):
         raise RuntimeError(
             f"Given normalized_shape={list(normalized_shape)}, expected input with shape "
             f"[*, {', '.join(map(str, normalized_shape))}], but got input of size{list(input.shape)}"
         )
+    return axis
+
+
+def _check_norm_param(op: str, name: str, param: Any, normalized_shape: Sequence[int]) -> None:
+    if param is not None and tuple(param.shape) != tuple(normalized_shape):
+        raise RuntimeError(
+            f"Expected {name} to be of same shape as normalized_shape, but got {name} of shape "
+            f"{list(param.shape)} and normalized_shape = {list(normalized_shape)} ({op}; give a {name} of shape "
+            f"{list(normalized_shape)} or none)")
+
+
+def layer_norm_check(input: Any, normalized_shape: Sequence[int], weight: Any, bias: Any) -> int:
+    """native_layer_norm's argument checks (CPU's errors); returns the first normalised dim."""
+    axis = norm_axis("layer_norm", input, normalized_shape)
+    _check_norm_param("layer_norm", "weight", weight, normalized_shape)
+    _check_norm_param("layer_norm", "bias", bias, normalized_shape)
+    _check_mixed(input, weight, bias)
+    return axis
+
+
+def layer_norm_stat_dtype(input: Any, weight: Any, bias: Any) -> Any:
+    """The dtype of native_layer_norm's mean/rstd on CPU (param_scalar_type): float32 when the parameters are
+    float32 and the input bfloat16/float16 (mixed), else the input's dtype."""
+    return _stat_dtype(input, weight, bias)
+
+
+def layer_norm_reference(
+    input: Any, normalized_shape: Sequence[int], weight: Any, bias: Any, eps: float,
+) -> tuple[Any, Any, Any]:
+    """native_layer_norm in XLA ops: (output, mean, rstd), statistics in opmath, shaped input.shape[:axis] + 1s."""
+    axis = layer_norm_check(input, normalized_shape, weight, bias)
+    x = _opmath(input)
     axes = tuple(range(axis, x.ndim))
     mean = jnp.mean(x, axis=axes, keepdims=True)
     var = jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
@@ -245,11 +280,11 @@ def native_layer_norm(input: Any, normalized_shape: Sequence[int], weight: Any, 
         y = y * _opmath(weight)
     if bias is not None:
         y = y + _opmath(bias)
-    return y.astype(input.dtype), mean.astype(input.dtype), rstd.astype(input.dtype)
+    stat = layer_norm_stat_dtype(input, weight, bias)
+    return y.astype(input.dtype), mean.astype(stat), rstd.astype(stat)
 
 
-@lower("native_layer_norm_backward")
-def native_layer_norm_backward(
+def layer_norm_backward_reference(
     grad_out: Any, input: Any, normalized_shape: Sequence[int], mean: Any, rstd: Any, weight: Any, bias: Any,
     output_mask: Sequence[bool],
 ) -> tuple[Any, Any, Any]:
@@ -263,8 +298,59 @@ def native_layer_norm_backward(
     grad_input = rstd * (wg - jnp.mean(wg, axis=axes, keepdims=True) - xhat * jnp.mean(wg * xhat, axis=axes, keepdims=True))
     grad_weight = jnp.sum(g * xhat, axis=batch_axes)
     grad_bias = jnp.sum(g, axis=batch_axes)
-    wdtype = weight.dtype if weight is not None else (bias.dtype if bias is not None else input.dtype)
+    wdtype = layer_norm_param_dtype(input, weight, bias)
     return _masked(output_mask, grad_input.astype(input.dtype), grad_weight.astype(wdtype), grad_bias.astype(wdtype))
+
+
+def layer_norm_param_dtype(input: Any, weight: Any, bias: Any) -> Any:
+    """The dtype of native_layer_norm_backward's grad_weight/grad_bias: the parameters' dtype."""
+    return weight.dtype if weight is not None else (bias.dtype if bias is not None else input.dtype)
+
+
+def rms_norm_check(input: Any, normalized_shape: Sequence[int], weight: Any) -> int:
+    """_fused_rms_norm's argument checks (ATen's _check_rms_norm_inputs); returns the first normalised dim."""
+    axis = norm_axis("rms_norm", input, normalized_shape)
+    _check_norm_param("rms_norm", "weight", weight, normalized_shape)
+    if not jnp.issubdtype(input.dtype, jnp.inexact):
+        raise RuntimeError(
+            f'"rms_norm" not implemented for \'{dtype_name(_runtime.torch_dtype(input.dtype))}\' (input of shape '
+            f"{list(input.shape)}; cast it to a floating or complex dtype)")
+    return axis
+
+
+def rms_norm_eps(input: Any, eps: float | None) -> float:
+    """ATen's default eps for rms_norm: the machine epsilon of the opmath dtype."""
+    return float(jnp.finfo(_opmath(jnp.zeros((), input.dtype)).dtype).eps) if eps is None else float(eps)
+
+
+def rms_norm_reference(input: Any, normalized_shape: Sequence[int], weight: Any, eps: float | None) -> tuple[Any, Any]:
+    """_fused_rms_norm in XLA ops, as ATen's rms_norm_composite: (output, rstd), rstd in opmath with the normalised
+    dims kept as 1s."""
+    axis = rms_norm_check(input, normalized_shape, weight)
+    x = _opmath(input)
+    axes = tuple(range(axis, x.ndim))
+    rstd = lax.rsqrt(jnp.mean(jnp.square(x), axis=axes, keepdims=True) + rms_norm_eps(input, eps))
+    y = x * rstd
+    if weight is not None:
+        y = y * _opmath(weight)
+    return y.astype(input.dtype), rstd
+
+
+def rms_norm_backward_reference(
+    grad_out: Any, input: Any, normalized_shape: Sequence[int], rstd: Any, weight: Any, output_mask: Sequence[bool],
+) -> tuple[Any, Any]:
+    """_fused_rms_norm_backward (torch._decomp's formula): (grad_input, grad_weight), both in the input's dtype."""
+    x, g = _opmath(input), _opmath(grad_out)
+    axis = x.ndim - len(normalized_shape)
+    axes = tuple(range(axis, x.ndim))
+    n = math.prod(x.shape[axis:])
+    r = _opmath(rstd).reshape(x.shape[:axis] + (1,) * (x.ndim - axis))
+    xhat = x * r
+    gxh = g * _opmath(weight) if weight is not None else g
+    grad_input = (gxh - xhat / n * jnp.sum(xhat * gxh, axis=axes, keepdims=True)) * r
+    grad_weight = jnp.sum(g * xhat, axis=tuple(range(axis))) if weight is not None else None
+    return (grad_input.astype(input.dtype) if output_mask[0] else None,
+            grad_weight.astype(input.dtype) if output_mask[1] and weight is not None else None)
 
 
 @lower("native_group_norm")
