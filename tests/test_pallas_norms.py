@@ -234,3 +234,23 @@ def test_rms_and_layer_norm_errors_follow_cpu(tpu) -> None:
         torch._fused_rms_norm(x.to(tpu), [4], None, None)
     with pytest.raises(RuntimeError, match=r"\"rms_norm\" not implemented for 'Long'"):
         torch._fused_rms_norm(torch.ones(2, 8, dtype=torch.long, device=tpu), [8], None, None)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_tpu_path_lowers_to_mosaic(dtype) -> None:
+    """The "tpu" path (interpret=False) lowered for a TPU without one (jax.export): Pallas accepts the block specs
+    and emits the Mosaic custom call. Mosaic's own compile runs only on a TPU."""
+    import jax
+    from jax import export
+
+    x, w = jax.ShapeDtypeStruct((64, 512), dtype), jax.ShapeDtypeStruct((512,), dtype)
+    st = jax.ShapeDtypeStruct((64, 1), jnp.float32)
+    programs = [
+        (lambda x, w: norms.layer_norm_fwd(x, w, w, 1e-5, interpret=False), (x, w)),
+        (lambda g, x, m, r, w: norms.layer_norm_bwd(g, x, m, r, w, (True, True, True), interpret=False),
+         (x, x, st, st, w)),
+        (lambda x, w: norms.rms_norm_fwd(x, w, 1e-6, interpret=False), (x, w)),
+        (lambda g, x, r, w: norms.rms_norm_bwd(g, x, r, w, (True, True), interpret=False), (x, x, st, w)),
+    ]
+    for fn, args in programs:
+        assert "tpu_custom_call" in export.export(jax.jit(fn), platforms=["tpu"])(*args).mlir_module()
