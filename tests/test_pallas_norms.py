@@ -140,6 +140,7 @@ def test_rms_norm_kernel_without_weight() -> None:
     ((3, 256), (256,), torch.float32),  # 3 rows: no row block
     ((8, 256), (256,), torch.bfloat16),  # bfloat16 needs 16-row blocks
     ((8, 256), (256,), torch.float64),
+    ((16, 0), (0,), torch.float32),  # nothing to normalise
 ])
 def test_shapes_the_kernel_does_not_take(shape, nshape, dtype) -> None:
     x = torch.zeros(shape, dtype=dtype)

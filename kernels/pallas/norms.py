@@ -55,7 +55,7 @@ def fits(input: Any, axis: int, *params: Any, streams: int) -> bool:
     """Whether the kernel's constraints hold for `input` normalised over dims axis..: see the module doc."""
     n = math.prod(input.shape[axis:])
     rows = math.prod(input.shape[:axis])
-    return (_dtype_ok(input, *params) and n % LANES == 0 and rows > 0
+    return (_dtype_ok(input, *params) and n > 0 and n % LANES == 0 and rows > 0
             and row_block(rows, n, input.dtype.itemsize, streams) is not None)
 
 
