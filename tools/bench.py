@@ -1125,11 +1125,61 @@ def bench_jax_op() -> None:
     print(f"  ratio jax_op / bare cached jax.jit (forward)     : {r['jax_op gelu'] / r['bare jax.jit']:.2f}x")
 
 
+def bench_inductor_default() -> None:
+    """What default torch.compile(model) costs on tpu tensors vs backend="tpu": first step (Dynamo + AOTAutograd +
+    XLA compile) and steady steps/s of the MLP and GPT examples, model compiled, eager AdamW step. On XLA:CPU the
+    default route sends tpu graphs to the tpu backend (torch_tpu/_inductor_route.py), so the ratio measures only
+    the routing; on a TPU it compares Inductor's Pallas code with the tpu backend."""
+    import torch._dynamo
+
+    print(f"inductor_default  platform={torch.tpu.get_device_name()}  (first step s; steps/s after warm-up, "
+          "median of 5 trials)")
+    for name in ("mlp", "gpt"):
+        mod = _example(name)
+        first: dict[str, float] = {}
+        steps: dict[str, Callable[[], object]] = {}
+        for mode in ("default", "tpu"):
+            torch._dynamo.reset()
+            model, batches, loss_fn = mod.build(0)
+            model = model.to("tpu")
+            opt = mod.optimizer(model)
+            x, y = (t.to("tpu") for t in next(batches))
+            cm = torch.compile(model) if mode == "default" else torch.compile(model, backend="tpu")
+
+            def step(cm=cm, opt=opt, x=x, y=y, loss_fn=loss_fn) -> None:
+                opt.zero_grad()
+                loss_fn(cm(x), y).backward()
+                opt.step()
+
+            t0 = time.perf_counter()
+            step()
+            torch.tpu.synchronize()
+            first[mode] = time.perf_counter() - t0
+            steps[mode] = step
+        for fn in steps.values():
+            for _ in range(5):
+                fn()
+        torch.tpu.synchronize()
+        n = 30 if name == "mlp" else 20
+        samples: dict[str, list[float]] = {k: [] for k in steps}
+        for _ in range(5):
+            for k, fn in steps.items():
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                torch.tpu.synchronize()
+                samples[k].append(n / (time.perf_counter() - t0))
+        r = {k: statistics.median(v) for k, v in samples.items()}
+        print(f"  {name:<4} default: first step {first['default']:.2f} s, {r['default']:7.1f} steps/s   "
+              f"backend=tpu: first step {first['tpu']:.2f} s, {r['tpu']:7.1f} steps/s   -> default/tpu "
+              f"{r['default'] / r['tpu']:.2f}x steps/s, {first['default'] / first['tpu']:.2f}x first step")
+
+
 BENCHMARKS = {"eager_overhead": bench_eager_overhead, "op_overhead": bench_op_overhead, "training": bench_training,
               "fuse": bench_fuse, "cold_start": bench_cold_start, "compile": bench_compile,
               "all_reduce": bench_all_reduce, "index_checks": bench_index_checks,
               "threads": bench_threads, "profiler": bench_profiler, "host": bench_host, "streams": bench_streams,
-              "jax_op": bench_jax_op}
+              "jax_op": bench_jax_op, "inductor_default": bench_inductor_default}
 
 
 def main(argv: list[str]) -> int:
