@@ -219,7 +219,7 @@ def test_hf_llama_generate_compiled_matches_eager() -> None:
     tool = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = tool
     spec.loader.exec_module(tool)
-    r = tool.compare(new_tokens=6)
+    r = tool.compare(new_tokens=3, warm=False)
     assert r["compiled"] == r["eager"], r
     assert r["eager"] == r["cpu"], r
     assert r["routed_graphs"] >= 1, r
