@@ -84,7 +84,9 @@ def install() -> None:
     inductor_call = cls.__call__
 
     def __call__(self: Any, model_: Any, inputs_: Any, *args: Any, **kwargs: Any) -> Any:
-        if route(model_, inputs_) == "tpu":
+        # Only torch.compile's own entry: AOTInductor's subclass (torch.compile(..., mode="aot...") packaging) needs
+        # Inductor's artifacts, which a tpu-backend program is not.
+        if type(self) is cls and route(model_, inputs_) == "tpu":
             return _routed(self, model_, inputs_)
         return inductor_call(self, model_, inputs_, *args, **kwargs)
 
