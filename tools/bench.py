@@ -1125,11 +1125,87 @@ def bench_jax_op() -> None:
     print(f"  ratio jax_op / bare cached jax.jit (forward)     : {r['jax_op gelu'] / r['bare jax.jit']:.2f}x")
 
 
+_INDUCTOR_FIRST_STEP = """
+import sys, time
+sys.path.insert(0, {examples!r})
+import importlib.util
+import torch, torch._dynamo
+spec = importlib.util.spec_from_file_location("example_{name}", {examples!r} + "/{name}.py")
+mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod; spec.loader.exec_module(mod)
+model, batches, loss_fn = mod.build(0)
+model = model.to("tpu"); opt = mod.optimizer(model)
+x, y = (t.to("tpu") for t in next(batches))
+t0 = time.perf_counter()
+cm = torch.compile(model) if "{mode}" == "default" else torch.compile(model, backend="tpu")
+opt.zero_grad(); loss = loss_fn(cm(x), y); loss.backward(); opt.step(); loss.item()
+print("RESULT", time.perf_counter() - t0)
+"""
+
+
+def bench_inductor_default() -> None:
+    """What default torch.compile(model) costs on tpu tensors vs backend="tpu", for the MLP and GPT examples
+    (model compiled, eager AdamW step): the first step in a fresh process with an empty compile cache (Dynamo,
+    AOTAutograd, XLA compiles; Dynamo imported before the timer) and steady steps/s side by side in this process.
+    On XLA:CPU the default route sends tpu graphs to the tpu backend (torch_tpu/_inductor_route.py), so this
+    measures the routing (and Inductor's imports); on a TPU it compares Inductor's Pallas code with the tpu backend."""
+    import os
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import torch._dynamo
+
+    examples = str(Path(__file__).resolve().parent.parent / "examples")
+    print(f"inductor_default  platform={torch.tpu.get_device_name()}  (first step: fresh process, cold cache; "
+          "steps/s after warm-up, median of 5 interleaved trials)")
+    for name in ("mlp", "gpt"):
+        mod = _example(name)
+        first: dict[str, float] = {}
+        for mode in ("tpu", "default"):
+            with tempfile.TemporaryDirectory() as d:
+                out = subprocess.run([sys.executable, "-c", _INDUCTOR_FIRST_STEP.format(examples=examples,
+                                                                                         name=name, mode=mode)],
+                                     env=dict(os.environ, TORCH_TPU_CACHE_DIR=d), capture_output=True, text=True,
+                                     check=True, cwd="/")
+            first[mode] = float([ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")][-1].split()[1])
+        steps: dict[str, Callable[[], object]] = {}
+        for mode in ("default", "tpu"):
+            torch._dynamo.reset()
+            model, batches, loss_fn = mod.build(0)
+            model = model.to("tpu")
+            opt = mod.optimizer(model)
+            x, y = (t.to("tpu") for t in next(batches))
+            cm = torch.compile(model) if mode == "default" else torch.compile(model, backend="tpu")
+
+            def step(cm=cm, opt=opt, x=x, y=y, loss_fn=loss_fn) -> None:
+                opt.zero_grad()
+                loss_fn(cm(x), y).backward()
+                opt.step()
+
+            steps[mode] = step
+        for fn in steps.values():
+            for _ in range(5):
+                fn()
+        torch.tpu.synchronize()
+        n = 30 if name == "mlp" else 20
+        samples: dict[str, list[float]] = {k: [] for k in steps}
+        for _ in range(5):
+            for k, fn in steps.items():
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                torch.tpu.synchronize()
+                samples[k].append(n / (time.perf_counter() - t0))
+        r = {k: statistics.median(v) for k, v in samples.items()}
+        print(f"  {name:<4} default: first step {first['default']:5.2f} s, {r['default']:7.1f} steps/s   "
+              f"backend=tpu: first step {first['tpu']:5.2f} s, {r['tpu']:7.1f} steps/s   -> default/tpu "
+              f"{r['default'] / r['tpu']:.2f}x steps/s, {first['default'] / first['tpu']:.2f}x first step")
+
 BENCHMARKS = {"eager_overhead": bench_eager_overhead, "op_overhead": bench_op_overhead, "training": bench_training,
               "fuse": bench_fuse, "cold_start": bench_cold_start, "compile": bench_compile,
               "all_reduce": bench_all_reduce, "index_checks": bench_index_checks,
               "threads": bench_threads, "profiler": bench_profiler, "host": bench_host, "streams": bench_streams,
-              "jax_op": bench_jax_op}
+              "jax_op": bench_jax_op, "inductor_default": bench_inductor_default}
 
 
 def main(argv: list[str]) -> int:

@@ -183,6 +183,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("TORCH_TPU_PALLAS", one_of("auto", "interpret", "reference"), "auto",
         "Pallas kernels (kernels/pallas/): on a TPU where they fit (auto), in Pallas interpret mode (interpret: "
         "tests on CPU) or never (reference: the XLA path); read when a program is traced"),
+    Var("TORCH_TPU_INDUCTOR", one_of("auto", "pallas", "tpu"), "auto",
+        "default torch.compile (Inductor) on tpu tensors: Inductor's Pallas code on a TPU and the 'tpu' backend "
+        "elsewhere (auto), Inductor's Pallas code always (pallas: Mosaic kernels need a TPU) or the 'tpu' backend "
+        "always (tpu)"),
     Var("TORCH_TPU_SPLIT_HOST", boolean(True), True,
         "under torchrun with several processes on a TPU host, give each its share of the chips (TPU_VISIBLE_CHIPS…)"),
 )

@@ -57,7 +57,11 @@ class _RegisterWhenImported(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Registers the backend now if Dynamo's registry is already imported, else when it is."""
+    """Registers the backend now if Dynamo's registry is already imported, else when it is; and routes default
+    torch.compile's tpu graphs (torch_tpu/_inductor_route.py)."""
+    from torch_tpu import _inductor_route
+
+    _inductor_route.install()
     registry = sys.modules.get(_REGISTRY)
     if registry is not None:
         _register(registry)
