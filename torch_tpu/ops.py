@@ -9,10 +9,10 @@
 
 A custom op here is defined once with a typed schema, a fake (meta) implementation and autograd, and its lowering is
 an entry of the one kernel table (`@lower("tpu::<op>")`), installed like `torch.tpu.jax_op`'s: eager runs it as a
-jitted kernel, DEFER_AND_FUSE records it into the pending graph (with a structural key that is stable across
-processes, so fused and compiled programs holding it reach the persistent cache), and `torch.compile(backend="tpu")`
-lowers the node inline. The lowerings report device-side checks (bad lengths or page indices), which jax_op's
-generic lowerings cannot declare; that is why these ops are typed ops rather than `jax_op` functions.
+jitted kernel, DEFER_AND_FUSE records it into the pending graph, and `torch.compile(backend="tpu")` lowers the node
+inline. They are typed ops rather than `jax_op` functions because their lowerings report device-side checks (bad
+lengths or page indices), which jax_op's generic lowerings do not declare, and because a typed schema (named
+arguments, no process-local spec string) is what a public op should show in graphs and error messages.
 """
 
 from __future__ import annotations
