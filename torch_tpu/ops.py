@@ -2,9 +2,13 @@
 `tpu`, and entries over ATen ops that take a handier form.
 
 - `paged_attention(q, k_pages, v_pages, lengths, page_indices, *, scale=None, soft_cap=None,
-  pages_per_compute_block=None)`: decode attention over a paged KV cache (`torch.ops.tpu.paged_attention`; layout and
-  paths in kernels/pallas/paged_attention.py).
-- `grouped_matmul(lhs, rhs, group_sizes)`: the mixture-of-experts grouped matmul, `torch._grouped_mm(lhs, rhs,
+  pages_per_compute_block=None)` (`torch.ops.tpu.paged_attention`): decode attention, one query token per sequence,
+  over a paged KV cache: q [batch, heads, head_dim]; k_pages, v_pages [kv_heads, total_pages, page_size, head_dim]
+  (heads a multiple of kv_heads: GQA/MQA); lengths [batch] int32; page_indices [batch, pages_per_sequence] int32.
+  Returns [batch, heads, head_dim] = softmax(scale * q k^T over the first `length` tokens) v (scale defaults to
+  1/sqrt(head_dim); `soft_cap` caps the logits as soft_cap * tanh(logits / soft_cap); length 0 gives zeros);
+  differentiable in q, k_pages and v_pages. Layout and paths: kernels/pallas/paged_attention.py.
+- `grouped_matmul(lhs, rhs, group_sizes)` (`torch.ops.tpu.grouped_matmul`): the mixture-of-experts grouped matmul, `torch._grouped_mm(lhs, rhs,
   offs=cumsum(group_sizes))` (its lowering and paths in kernels/pallas/grouped_matmul.py).
 
 A custom op here is defined once with a typed schema, a fake (meta) implementation and autograd, and its lowering is
@@ -80,25 +84,14 @@ _eager.install_lowering(_paged.OP)
 _eager.install_lowering(_paged.BACKWARD)
 
 
-def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, lengths: torch.Tensor,
-                    page_indices: torch.Tensor, *, scale: float | None = None, soft_cap: float | None = None,
-                    pages_per_compute_block: int | None = None) -> torch.Tensor:
-    """Decode attention over a paged KV cache (one query token per sequence).
-
-    q [batch, heads, head_dim]; k_pages, v_pages [kv_heads, total_pages, page_size, head_dim] (heads a multiple of
-    kv_heads: GQA/MQA); lengths [batch] int32, the cached tokens of each sequence; page_indices [batch,
-    pages_per_sequence] int32, the pages holding them in order. Returns [batch, heads, head_dim]:
-    softmax(scale * q k^T, over the first `length` tokens) v, scale defaulting to 1/sqrt(head_dim); `soft_cap` caps
-    the logits with soft_cap * tanh(logits / soft_cap); a sequence of length 0 gives zeros. Differentiable in q,
-    k_pages and v_pages. On a TPU it runs jax's Pallas paged-attention kernel where the shapes fit (see the user
-    guide, "Pallas kernels"); elsewhere an XLA gather-and-softmax path.
-    """
-    return _paged_op(q, k_pages, v_pages, lengths, page_indices, scale=scale, soft_cap=soft_cap,
-                     pages_per_compute_block=pages_per_compute_block)
+# The public entry is the op itself (an OpOverloadPacket), not a Python wrapper: Dynamo skips torch_tpu's files, and
+# an op is what it puts in a graph (torch.compile(fullgraph=True) works). Documented in the module doc above and in
+# the user guide ("Paged attention and grouped matmul").
+paged_attention = torch.ops.tpu.paged_attention
 
 
 # ---- grouped matmul ----
-def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+def _grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     """The mixture-of-experts grouped matmul: lhs [m, k] (rows sorted by group), rhs [groups, k, n], group_sizes
     [groups] (integers summing to at most m) -> [m, n], rows of group g times rhs[g]; rows past the groups are zeros.
     It is `torch._grouped_mm(lhs, rhs, offs=cumsum(group_sizes))`, so it is differentiable (PyTorch's formula) and runs
@@ -111,3 +104,11 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
         raise RuntimeError(f"torch.tpu.ops.grouped_matmul: expects lhs [m, k] and rhs [groups, k, n], got lhs "
                            f"{list(lhs.shape)} and rhs {list(rhs.shape)}; for the other layouts call torch._grouped_mm")
     return torch._grouped_mm(lhs, rhs, torch.cumsum(group_sizes, 0, dtype=torch.int32))
+
+
+# A CompositeImplicitAutograd op: eager runs the function above (cumsum and _grouped_mm, with _grouped_mm's autograd),
+# Dynamo records the op and AOTAutograd decomposes it into the same two ops.
+_LIB = torch.library.Library("tpu", "FRAGMENT")
+_LIB.define("grouped_matmul(Tensor lhs, Tensor rhs, Tensor group_sizes) -> Tensor")
+_LIB.impl("grouped_matmul", _grouped_matmul, "CompositeImplicitAutograd")
+grouped_matmul = torch.ops.tpu.grouped_matmul
