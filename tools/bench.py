@@ -1201,11 +1201,79 @@ def bench_inductor_default() -> None:
               f"backend=tpu: first step {first['tpu']:5.2f} s, {r['tpu']:7.1f} steps/s   -> default/tpu "
               f"{r['default'] / r['tpu']:.2f}x steps/s, {first['default'] / first['tpu']:.2f}x first step")
 
+def bench_grouped_mm() -> None:
+    """torch._grouped_mm on tpu (the MoE forward, 2d x 3d: 2048 tokens over 8 experts, 256 -> 512, float32) next to
+    the per-expert loop of tpu matmuls it replaces and to CPU PyTorch's _grouped_mm, forward + backward, each call
+    waited for."""
+    g = torch.Generator().manual_seed(0)
+    tokens, experts, k, n = 2048, 8, 256, 512
+    sizes = torch.multinomial(torch.ones(experts), tokens, replacement=True, generator=g).bincount(minlength=experts)
+    offs = torch.cumsum(sizes, 0, dtype=torch.int32)
+    bounds = [0, *offs.tolist()]
+    a_cpu = torch.randn(tokens, k, generator=g).requires_grad_()
+    b_cpu = torch.randn(experts, k, n, generator=g).requires_grad_()
+    a, b = a_cpu.detach().to("tpu").requires_grad_(), b_cpu.detach().to("tpu").requires_grad_()
+    offs_t = offs.to("tpu")
+
+    def step(a, b, offs, loop=False):
+        def run():
+            a.grad = b.grad = None
+            if loop:
+                out = torch.cat([a[s:e] @ b[i] for i, (s, e) in enumerate(zip(bounds, bounds[1:]))])
+            else:
+                out = torch._grouped_mm(a, b, offs)
+            out.square().mean().backward()
+            b.grad.cpu()
+        return run
+
+    r = side_by_side({"tpu _grouped_mm": step(a, b, offs_t), "tpu per-expert loop": step(a, b, offs_t, loop=True),
+                      "cpu _grouped_mm": step(a_cpu, b_cpu, offs)}, calls=10, trials=5)
+    print(f"grouped_mm  platform={torch.tpu.get_device_name()}  tokens={tokens} experts={experts} {k}->{n} float32 "
+          "fwd+bwd")
+    for key, v in r.items():
+        print(f"  {key:<22} {v / 1000:8.2f} ms/step")
+    print(f"  ratio tpu _grouped_mm / tpu per-expert loop : {r['tpu _grouped_mm'] / r['tpu per-expert loop']:.2f}x")
+    print(f"  ratio tpu _grouped_mm / cpu _grouped_mm     : {r['tpu _grouped_mm'] / r['cpu _grouped_mm']:.2f}x")
+
+
+def bench_paged_attention() -> None:
+    """torch.tpu.ops.paged_attention (decode: batch 8, 16 query heads over 4 kv heads, head_dim 128, 1024-token
+    sequences in 64 pages of 16, bfloat16 cache) next to what code without it does on tpu: gather each sequence's
+    pages into a dense cache, then F.scaled_dot_product_attention with a length mask; each call waited for."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    batch, heads, kv, d, page, per_seq = 8, 16, 4, 128, 16, 64
+    total = batch * per_seq
+    q = torch.randn(batch, heads, d, generator=g).to("tpu")
+    k_pages = torch.randn(kv, total, page, d, generator=g).bfloat16().to("tpu")
+    v_pages = torch.randn(kv, total, page, d, generator=g).bfloat16().to("tpu")
+    pages = torch.randperm(total, generator=g)[:batch * per_seq].reshape(batch, per_seq).int().to("tpu")
+    lengths = torch.randint(1, per_seq * page + 1, (batch,), generator=g).int().to("tpu")
+    tokens = per_seq * page
+
+    def dense():
+        k = k_pages[:, pages].reshape(kv, batch, tokens, d).transpose(0, 1).float()
+        v = v_pages[:, pages].reshape(kv, batch, tokens, d).transpose(0, 1).float()
+        mask = (torch.arange(tokens, device="tpu")[None, :] < lengths[:, None])[:, None, None, :]
+        return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)[:, :, 0]
+
+    r = side_by_side({"paged_attention": lambda: torch.tpu.ops.paged_attention(q, k_pages, v_pages, lengths,
+                                                                               pages).cpu(),
+                      "gather + SDPA": lambda: dense().cpu()}, calls=20, trials=5)
+    print(f"paged_attention  platform={torch.tpu.get_device_name()}  batch={batch} heads={heads}/{kv} head_dim={d} "
+          f"tokens={tokens} pages of {page} bfloat16")
+    for key, v in r.items():
+        print(f"  {key:<18} {v / 1000:8.2f} ms/call")
+    print(f"  ratio paged_attention / gather + SDPA : {r['paged_attention'] / r['gather + SDPA']:.2f}x")
+
+
 BENCHMARKS = {"eager_overhead": bench_eager_overhead, "op_overhead": bench_op_overhead, "training": bench_training,
               "fuse": bench_fuse, "cold_start": bench_cold_start, "compile": bench_compile,
               "all_reduce": bench_all_reduce, "index_checks": bench_index_checks,
               "threads": bench_threads, "profiler": bench_profiler, "host": bench_host, "streams": bench_streams,
-              "jax_op": bench_jax_op, "inductor_default": bench_inductor_default}
+              "jax_op": bench_jax_op, "inductor_default": bench_inductor_default,
+              "grouped_mm": bench_grouped_mm, "paged_attention": bench_paged_attention}
 
 
 def main(argv: list[str]) -> int:

@@ -390,3 +390,7 @@ def jax_op(fn: Any = None, **kwargs: Any) -> Any:
     from torch_tpu._jax_op import jax_op as make
 
     return make(fn, **kwargs)
+
+# ---- custom ops: torch.tpu.ops (torch_tpu/ops.py: paged attention, grouped matmul) ----
+__all__ += ["ops"]
+from torch_tpu import ops  # noqa: E402
