@@ -115,11 +115,13 @@ def direct(*names: str, defer: bool = False, graph: Callable[..., Any] | None = 
     return deco
 
 
-def higher_order(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Registers the graph lowering of higher-order operator `name` (HIGHER_ORDER)."""
+def higher_order(name: str, unused: Sequence[str] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Registers the graph lowering of higher-order operator `name` (HIGHER_ORDER). `unused`: the parameters
+    (subgraphs) it never calls, whose ops need no lowering (kept as `fn.unused`)."""
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         if name in HIGHER_ORDER:
             raise RuntimeError(f"torch_tpu: higher-order op {name} is registered twice")
+        fn.unused = frozenset(unused)  # type: ignore[attr-defined]
         HIGHER_ORDER[name] = fn
         return fn
 

@@ -42,7 +42,10 @@ def _scenario_compiled_collectives() -> None:
         g = funcol.all_gather_tensor(y * 2, 0, group)
         r = funcol.reduce_scatter_tensor(g + 1, "sum", 0, group)
         m = funcol.all_reduce(y, "max", group)
-        return s.sum(-1), g, r, m
+        c = funcol.all_reduce_coalesced([y, y.sum(0)], "avg", group)
+        b = funcol.broadcast(y + 3, 1, group)
+        a = funcol.all_to_all_single(y, None, None, group)
+        return s.sum(-1), g, r, m, c[0], c[1], b, a
 
     torch.manual_seed(rank)
     x, w = torch.randn(4, 8), torch.randn(8, 6)
@@ -62,11 +65,19 @@ def _scenario_compiled_collectives() -> None:
     dist.reduce_scatter_tensor(r, g + 1, group=gloo)
     m = y.clone()
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=gloo)
-    for a, e, c in zip(got, eager, (s.sum(-1), g, r, m), strict=True):
+    c0, c1 = y.clone(), y.sum(0)
+    dist.all_reduce(c0, op=dist.ReduceOp.SUM, group=gloo)
+    dist.all_reduce(c1, op=dist.ReduceOp.SUM, group=gloo)
+    b = y + 3
+    dist.broadcast(b, src=1, group=gloo)
+    a = torch.empty_like(y)
+    dist.all_to_all_single(a, y.contiguous(), group=gloo)
+    expected = (s.sum(-1), g, r, m, c0 / n, c1 / n, b, a)
+    for a, e, c in zip(got, eager, expected, strict=True):
         torch.testing.assert_close(a.cpu(), c, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(a.cpu(), e.cpu(), atol=1e-5, rtol=1e-5)
     hlo = "".join(p.read_text() for p in Path(dump).glob("*.stablehlo.mlir"))
-    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
         assert f"stablehlo.{op}" in hlo, (op, hlo[:2000])
     assert counters["tpu"]["graphs"] == 1 and counters["tpu"]["eager_fallback_graphs"] == 0, dict(counters["tpu"])
     dist.destroy_process_group()
@@ -206,6 +217,51 @@ def test_flex_attention_compiled_fully_masked_rows_and_lse(tpu_flex) -> None:
     torch.testing.assert_close(lse.cpu()[..., 4:], ref_lse[..., 4:], atol=2e-5, rtol=1e-4)
     for t in (qt, kt, vt):
         assert torch.isfinite(t.grad.cpu()).all()
+
+
+def test_flex_attention_compiled_bias_buffer_gets_its_gradient(tpu_flex) -> None:
+    """A learnable bias read by the score_mod (a relative-position table, as in T5) gets its gradient."""
+    torch.manual_seed(2)
+    b, h, n, d = 1, 2, 128, 8
+    q, k, v = (torch.randn(b, h, n, d) for _ in range(3))
+    table = torch.randn(h, 2 * n - 1)
+
+    def attend(q, k, v, bias):
+        def score_mod(score, bi, hi, qi, ki):
+            return score + bias[hi, qi - ki + n - 1]
+        return fa.flex_attention(q, k, v, score_mod=score_mod)
+
+    compiled = torch.compile(attend, backend="tpu", fullgraph=True)
+    qt, kt, vt, bt = (t.to("tpu").requires_grad_() for t in (q, k, v, table))
+    out = compiled(qt, kt, vt, bt)
+    out.sum().backward()
+
+    qc, kc, vc, bc = (t.clone().requires_grad_() for t in (q, k, v, table))
+    qi = torch.arange(n)
+    rel = bc[:, (qi[:, None] - qi[None, :] + n - 1)]
+    ref = _reference(qc, kc, vc, torch.ones(n, n, dtype=torch.bool), rel)
+    ref.sum().backward()
+    torch.testing.assert_close(out.cpu(), ref.detach(), atol=2e-5, rtol=1e-4)
+    for t, c in ((qt, qc), (kt, kc), (vt, vc), (bt, bc)):
+        torch.testing.assert_close(t.grad.cpu(), c.grad, atol=2e-5, rtol=1e-4)
+
+
+def test_flex_attention_compiled_mask_mod_index_is_checked(tpu_flex) -> None:
+    """An out-of-range read of a captured tensor inside the mask_mod is an IndexError at the next sync, as in eager
+    code (a device-side check), never a silently clamped value."""
+    b, h, n, d = 1, 1, 128, 8
+    short = torch.zeros(n - 1, dtype=torch.long, device="tpu")  # one entry too few for q_idx = n - 1
+
+    def mask_mod(bi, hi, qi, ki):
+        return short[qi] >= 0
+
+    block_mask = fa.create_block_mask(lambda bi, hi, qi, ki: qi >= 0, b, h, n, n, device="tpu")
+    block_mask.mask_mod = mask_mod
+    q = torch.randn(b, h, n, d, device="tpu")
+    compiled = torch.compile(lambda q: fa.flex_attention(q, q, q, block_mask=block_mask), backend="tpu",
+                             fullgraph=True)
+    with pytest.raises(IndexError, match="out of bounds"):
+        compiled(q).cpu()
 
 
 # ---- functional collectives in a compiled step, 2 ranks ----

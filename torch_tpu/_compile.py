@@ -342,7 +342,7 @@ def _higher_order_problems(node: torch.fx.Node) -> list[str]:
         return [f"torch.ops.higher_order.{name} (node {node.name}; inputs {_describe(node)})"]
     problems = []
     seen: list[torch.fx.Node] = []
-    torch.fx.node.map_arg(node.args, lambda n: seen.append(n) or n)
+    torch.fx.node.map_arg(_trace.higher_order_traced_args(name, node.args), lambda n: seen.append(n) or n)
     gm = node.graph.owning_module
     for a in seen:
         sub = getattr(gm, a.target, None) if a.op == "get_attr" else None

@@ -142,6 +142,16 @@ def traceable_higher_order(name: str) -> bool:
     return name in HIGHER_ORDER
 
 
+def higher_order_traced_args(name: str, args: Sequence[Any]) -> list[Any]:
+    """The positional arguments of a call of HOP `name` that its lowering uses (all but its `unused` ones)."""
+    import inspect
+
+    fn = HIGHER_ORDER[name]
+    params = list(inspect.signature(fn).parameters)
+    unused = getattr(fn, "unused", frozenset())
+    return [a for i, a in enumerate(args) if i >= len(params) or params[i] not in unused]
+
+
 def trace_graph(gm: torch.fx.GraphModule) -> Any:
     """An FX subgraph of aten ops (a HOP's score_mod, mask_mod...) as a function of JAX values: each node's lowering
     is called by `trace_call`; Python nodes (operator.getitem, SymInt arithmetic) run as Python."""
@@ -149,8 +159,9 @@ def trace_graph(gm: torch.fx.GraphModule) -> Any:
     for node in nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             if not traceable(overload_name(node.target)):
+                op = overload_name(node.target)
                 raise NotImplementedError(
-                    f"aten::{overload_name(node.target)} (node {node.name} of subgraph {type(gm).__name__}) has no "
+                    f"{op if '::' in op else 'aten::' + op} (node {node.name} of subgraph {type(gm).__name__}) has no "
                     "lowering in torch_tpu.kernels that can be traced: add one with @lower (docs/adding_kernels.md)")
         elif node.op in ("call_module", "call_method") or (node.op == "get_attr" and isinstance(
                 getattr(gm, node.target, None), torch.Tensor)):
@@ -199,4 +210,9 @@ def trace_higher_order(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -
             return [convert(x) for x in v]
         return v
 
-    return fn(*convert(tuple(args)), **{k: convert(v) for k, v in kwargs.items()})
+    import inspect
+
+    params = list(inspect.signature(fn).parameters)
+    unused = getattr(fn, "unused", frozenset())
+    args = tuple(a if i < len(params) and params[i] in unused else convert(a) for i, a in enumerate(args))
+    return fn(*args, **{k: v if k in unused else convert(v) for k, v in kwargs.items()})

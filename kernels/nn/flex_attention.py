@@ -95,7 +95,7 @@ def flex_attention(query: Any, key: Any, value: Any, score_mod: Callable[..., An
                       tuple(mask_mod_other_buffers))
 
 
-@higher_order("flex_attention_backward")
+@higher_order("flex_attention_backward", unused=("joint_graph",))
 def flex_attention_backward(query: Any, key: Any, value: Any, out: Any, logsumexp: Any, grad_out: Any,
                             grad_logsumexp: Any, fw_graph: Callable[..., Any], joint_graph: Any,
                             block_mask: Sequence[Any], scale: float, kernel_options: dict[str, Any],
