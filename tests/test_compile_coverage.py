@@ -80,6 +80,16 @@ def _scenario_compiled_collectives() -> None:
     for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
         assert f"stablehlo.{op}" in hlo, (op, hlo[:2000])
     assert counters["tpu"]["graphs"] == 1 and counters["tpu"]["eager_fallback_graphs"] == 0, dict(counters["tpu"])
+
+    # The c10d API in a compiled step (a DDP-style gradient average): Dynamo rewrites it to the functional ops.
+    def average(grad):
+        grad = grad * 1.0
+        dist.all_reduce(grad)
+        return grad / n
+
+    avg = torch.compile(average, backend="tpu", fullgraph=True)(y.to(dev))
+    torch.testing.assert_close(avg.cpu(), c0 / n, atol=1e-5, rtol=1e-5)
+    assert counters["tpu"]["graphs"] == 2 and counters["tpu"]["eager_fallback_graphs"] == 0, dict(counters["tpu"])
     dist.destroy_process_group()
     print(f"rank {rank}: compiled collectives ok", flush=True)
 

@@ -460,22 +460,21 @@ def _on_host(val: Any) -> bool:
 
 # ---- functional collectives: a graph with collectives is one SPMD program over the group's devices ----
 
-def _has_collectives(gm: torch.fx.GraphModule) -> bool:
+def _has_collectives(nodes: Any) -> bool:
     return any(n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional"
-               for n in gm.graph.nodes)
+               for n in nodes)
 
 
 def _load_collective_lowerings(gm: torch.fx.GraphModule) -> None:
     """The functional collectives' graph lowerings live with tpu_dist (distributed/_compiled.py): registered when
     a graph first has one."""
-    if _has_collectives(gm):
+    if _has_collectives(gm.graph.nodes):
         from torch_tpu.distributed import _compiled  # noqa: F401  (registers the lowerings)
 
 
 def _collective_mesh(nodes: Sequence[torch.fx.Node], name: str) -> tuple[Any, Any] | None:
     """(mesh, process group) when the graph has functional collectives, else None."""
-    if not any(n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional"
-               for n in nodes):
+    if not _has_collectives(nodes):
         return None
     from torch_tpu.distributed import _compiled
 
