@@ -16,6 +16,9 @@ cache applies to them.
   whose expected strides are a permutation of a dense layout get those strides.
 - CPU tensors in a graph (a non-capturable optimizer's step counts) stay on the host where they can; random ops
   (dropout) draw a fresh key per call from the tpu generator.
+- Higher-order ops (flex_attention and its backward) call the registry's HIGHER_ORDER lowerings, their subgraphs
+  traced through the same table. A graph with functional collectives (`_c10d_functional`) becomes one SPMD program
+  over the group's mesh (`_spmd_program`), its collectives XLA collectives inside it (distributed/_compiled.py).
 - Missing lowerings: compiling a graph with an aten op that has no traceable lowering raises NotImplementedError
   naming the op, its input shapes/dtypes and the ways out. With `TORCH_TPU_COMPILE_FALLBACK=eager` (or
   `options={"fallback": "eager"}`) such a graph instead runs op by op in tpu eager, with a warning.
