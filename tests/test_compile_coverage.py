@@ -274,6 +274,14 @@ def test_flex_attention_compiled_mask_mod_index_is_checked(tpu_flex) -> None:
         compiled(q).cpu()
 
 
+def test_higher_order_op_without_lowering_is_named() -> None:
+    def f(x):
+        return torch.cond(x.sum() > 0, lambda x: x + 1, lambda x: x - 1, (x,))
+
+    with pytest.raises(Exception, match=r"torch\.ops\.higher_order\.cond \(node"):
+        torch.compile(f, backend="tpu", fullgraph=True)(torch.randn(3, device="tpu"))
+
+
 # ---- functional collectives in a compiled step, 2 ranks ----
 
 def test_compiled_collectives_are_in_the_program(tmp_path: Path) -> None:
