@@ -1,7 +1,8 @@
 """Eager tpu kernels for PyTorch's functional collectives (`torch.ops._c10d_functional`, used by
 `torch.distributed._functional_collectives`, DTensor and DeviceMesh). Each runs the collective on the group's
-tpu_dist process group and returns when the result is ready, so `wait_tensor` is the identity. (Lowering
-these ops inside `torch.compile` graphs is not done here.)
+tpu_dist process group and returns when the result is ready, so `wait_tensor` is the identity. Inside
+`torch.compile(backend="tpu")` graphs the same ops are XLA collectives of the compiled program
+(distributed/_compiled.py).
 """
 
 from __future__ import annotations

@@ -67,6 +67,10 @@ DEFERRABLE: set[str] = set()
 # of arrays) cannot see (`direct(..., graph=fn)`): overload -> a function of torch tensors made of lowered ops.
 # torch.compile applies them while tracing, when the fake tensors still carry their strides.
 GRAPH_DECOMPOSITIONS: dict[str, Callable[..., Any]] = {}
+# Higher-order operators (torch.ops.higher_order.*, e.g. flex_attention) in compiled graphs: HOP name -> a JAX
+# function of the HOP's arguments, in which each FX subgraph argument (a score_mod...) arrives as a JAX callable.
+# Eager runs PyTorch's own implementation of the HOP (its composite of aten ops); graph executors call these.
+HIGHER_ORDER: dict[str, Callable[..., Any]] = {}
 
 
 def lower(
@@ -106,6 +110,19 @@ def direct(*names: str, defer: bool = False, graph: Callable[..., Any] | None = 
                 DEFERRABLE.add(name)
             if graph is not None:
                 GRAPH_DECOMPOSITIONS[name] = graph
+        return fn
+
+    return deco
+
+
+def higher_order(name: str, unused: Sequence[str] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Registers the graph lowering of higher-order operator `name` (HIGHER_ORDER). `unused`: the parameters
+    (subgraphs) it never calls, whose ops need no lowering (kept as `fn.unused`)."""
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if name in HIGHER_ORDER:
+            raise RuntimeError(f"torch_tpu: higher-order op {name} is registered twice")
+        fn.unused = frozenset(unused)  # type: ignore[attr-defined]
+        HIGHER_ORDER[name] = fn
         return fn
 
     return deco

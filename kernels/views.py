@@ -72,6 +72,42 @@ def view_dtype(self: Any, dtype: torch.dtype) -> Any:
     return lax.bitcast_convert_type(self, target)
 
 
+@lower("view_as_real", "view_as_real_copy", **_T)
+def view_as_real(self: Any) -> Any:
+    """A complex tensor as its (real, imaginary) pairs along a new last dimension (rotary embeddings)."""
+    if not jnp.issubdtype(self.dtype, jnp.complexfloating):
+        raise RuntimeError(f"view_as_real is only supported for complex tensors, got {self.dtype}")
+    return jnp.stack([jnp.real(self), jnp.imag(self)], axis=-1)
+
+
+@lower("view_as_complex", "view_as_complex_copy", **_T)
+def view_as_complex(self: Any) -> Any:
+    """(..., 2) pairs of float32/float64 as complex64/complex128 (the inverse of view_as_real)."""
+    if self.ndim == 0 or self.shape[-1] != 2:
+        raise RuntimeError(f"Tensor must have a last dimension of size 2, got shape {list(self.shape)}")
+    if self.dtype not in (jnp.float32, jnp.float64):
+        raise RuntimeError(f"view_as_complex is only supported for float and double tensors, got {self.dtype}")
+    return lax.complex(self[..., 0], self[..., 1])
+
+
+@lower("_conj", "_conj_copy", **_T)
+def _conj(self: Any) -> Any:
+    """The lazy conjugate view in a graph: arrays carry no conjugate bit, so its value is the conjugate (the
+    backward of a complex multiply saves one)."""
+    return jnp.conj(self) if jnp.issubdtype(self.dtype, jnp.complexfloating) else self
+
+
+@lower("_neg_view", "_neg_view_copy", **_T)
+def _neg_view(self: Any) -> Any:
+    return -self
+
+
+@lower("resolve_conj", "resolve_neg", **_T)
+def _resolve_bit(self: Any) -> Any:
+    """A graph's values are already resolved (see _conj)."""
+    return self
+
+
 @lower("alias", "detach", "lift_fresh_copy", "alias_copy", "detach_copy", **_T)
 def alias(self: Any) -> Any:
     return self

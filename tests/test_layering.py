@@ -93,6 +93,7 @@ def test_registry_is_the_table_only() -> None:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             defined.update(t.id for t in targets if isinstance(t, ast.Name))
     table = {"Lowering", "LOWERINGS", "DIRECT", "DEFERRABLE", "GRAPH_DECOMPOSITIONS", "lower", "direct",
+             "HIGHER_ORDER", "higher_order",
              "DEFAULT", "INT_TO_FLOAT", "ALWAYS_BOOL", "COMPLEX_TO_FLOAT", "BOOL_TO_LONG", "NO_OPMATH"}
     assert defined == table
     assert not [m for m in _imports(path) if m.startswith("torch_tpu")]
@@ -142,6 +143,7 @@ def test_installed_modules_match_the_layering() -> None:
                                                                          "Callable", "Sequence",
                                                                          "ELEMENTWISE_TYPE_PROMOTION_KIND"}
     assert public == {"Lowering", "LOWERINGS", "DIRECT", "DEFERRABLE", "GRAPH_DECOMPOSITIONS", "lower", "direct",
+                      "HIGHER_ORDER", "higher_order",
                       "DEFAULT",
                       "INT_TO_FLOAT", "ALWAYS_BOOL", "COMPLEX_TO_FLOAT", "BOOL_TO_LONG", "NO_OPMATH"}
     assert torch_tpu._eager.KERNELS and "add.Tensor" in torch_tpu._eager.KERNELS

@@ -1267,18 +1267,96 @@ def bench_paged_attention() -> None:
         print(f"  {key:<18} {v / 1000:8.2f} ms/call")
     print(f"  ratio paged_attention / gather + SDPA : {r['paged_attention'] / r['gather + SDPA']:.2f}x")
 
+# ---- functional collectives inside a compiled step (issue 15, item 4) ----
+
+def _compiled_collectives_rank() -> None:
+    """One rank of bench_compiled_collectives: a compiled matmul+tanh step whose all_reduce is inside the program,
+    next to the same compiled step followed by an eager tpu_dist all_reduce, interleaved trials."""
+    import os
+
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    dist.init_process_group("tpu_dist")
+    local = int(os.environ["LOCAL_RANK"])
+    torch.tpu.set_device(local)
+    rank, n, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+    gloo = dist.new_group(backend="gloo")
+    w = torch.randn(256, 256, device="tpu")
+    x = torch.randn(64, 256, device="tpu")
+    inside = torch.compile(lambda x, w: funcol.all_reduce(torch.tanh(x @ w), "sum", group) * 0.5, backend="tpu",
+                           fullgraph=True)
+    compute = torch.compile(lambda x, w: torch.tanh(x @ w), backend="tpu", fullgraph=True)
+
+    def apart(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = compute(x, w)
+        dist.all_reduce(y)
+        return y * 0.5
+
+    fns = {"in program": inside, "eager all_reduce": apart}
+    calls = 50
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        fn(x, w).cpu()
+    for _ in range(5):
+        for name, fn in fns.items():
+            dist.barrier(group=gloo)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                out = fn(x, w)
+            out.cpu()
+            samples[name].append((time.perf_counter() - t0) / calls)
+    if rank == 0:
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        print(f"compiled_collectives  {n} ranks, (64x256 @ 256x256, tanh, all_reduce sum), "
+              f"platform={torch.tpu.get_device_name()}")
+        print(f"  all_reduce inside the compiled program {med['in program'] * 1e6:8.0f} us/step")
+        print(f"  compiled program + eager all_reduce    {med['eager all_reduce'] * 1e6:8.0f} us/step")
+        print(f"  ratio eager-apart / in-program         : {med['eager all_reduce'] / med['in program']:.2f}x",
+              flush=True)
+    dist.destroy_process_group()
+
+
+def bench_compiled_collectives(ranks: int = 2) -> None:
+    """A functional all_reduce inside a torch.compile(backend="tpu") step vs the same step with an eager
+    all_reduce after it (2 ranks started like torchrun)."""
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(ranks):
+        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TF_CPP_MIN_LOG_LEVEL="2")
+        procs.append(subprocess.Popen([sys.executable, __file__, "--compiled-collectives-rank"], env=env,
+                                      stdout=None if r == 0 else subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      cwd="/"))
+    for p in procs:
+        try:
+            p.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            print("  compiled_collectives: a rank did not finish within 600 s")
+
 
 BENCHMARKS = {"eager_overhead": bench_eager_overhead, "op_overhead": bench_op_overhead, "training": bench_training,
               "fuse": bench_fuse, "cold_start": bench_cold_start, "compile": bench_compile,
               "all_reduce": bench_all_reduce, "index_checks": bench_index_checks,
               "threads": bench_threads, "profiler": bench_profiler, "host": bench_host, "streams": bench_streams,
               "jax_op": bench_jax_op, "inductor_default": bench_inductor_default,
-              "grouped_mm": bench_grouped_mm, "paged_attention": bench_paged_attention}
+              "grouped_mm": bench_grouped_mm, "paged_attention": bench_paged_attention,
+              "compiled_collectives": bench_compiled_collectives}
 
 
 def main(argv: list[str]) -> int:
     if argv == ["--all-reduce-rank"]:
         _all_reduce_rank()
+        return 0
+    if argv == ["--compiled-collectives-rank"]:
+        _compiled_collectives_rank()
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", help=f"benchmarks to run (default: all of {', '.join(BENCHMARKS)})")

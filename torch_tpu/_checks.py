@@ -129,6 +129,39 @@ def report_assert(op: str, value: Any, message: str, error: type[Exception] = Ru
     found[f"{ASSERT}{len(found):04d}|{error.__name__}|{message}"] = assert_flag(value)
 
 
+def vmap(fn: Callable[..., Any], *levels: Any) -> Callable[..., Any]:
+    """`jax.vmap` of `fn`, once per entry of `levels` (each an `in_axes`, innermost first), that carries the checks
+    `fn` reports out of the mapped function: a flag reported inside would be a batched tracer that escapes the map.
+    Each check's flags over the batch become one flag (the first bad element) in the caller's collector."""
+    def inner(*args: Any) -> tuple[Any, dict[str, Any]]:
+        with collecting() as found:
+            out = fn(*args)
+        return out, dict(found)
+
+    mapped = inner
+    for axes in levels:
+        mapped = jax.vmap(mapped, in_axes=axes)
+
+    def call(*args: Any) -> Any:
+        out, flags = mapped(*args)
+        outer = getattr(_tls, "found", None)
+        if not flags or outer is _DISCARD:
+            return out
+        if outer is None or outer is _UNDECLARED:
+            raise RuntimeError(
+                "torch_tpu internal error: a mapped function reports device-side checks outside an executor that "
+                "collects them (trace it under torch_tpu._checks.collecting())")
+        for key, flag in flags.items():
+            rows = flag.reshape(-1, 2)
+            first = rows[jnp.argmax(rows[:, 0])]
+            rest = key.split("|", 1)[1]
+            prefix = ASSERT if key.startswith(ASSERT) else ""
+            outer[f"{prefix}{len(outer):04d}|{rest}"] = first
+        return out
+
+    return call
+
+
 # ---- the executor side ----
 
 _DISCARD: dict = {}

@@ -16,6 +16,9 @@ cache applies to them.
   whose expected strides are a permutation of a dense layout get those strides.
 - CPU tensors in a graph (a non-capturable optimizer's step counts) stay on the host where they can; random ops
   (dropout) draw a fresh key per call from the tpu generator.
+- Higher-order ops (flex_attention and its backward) call the registry's HIGHER_ORDER lowerings, their subgraphs
+  traced through the same table. A graph with functional collectives (`_c10d_functional`) becomes one SPMD program
+  over the group's mesh (`_spmd_program`), its collectives XLA collectives inside it (distributed/_compiled.py).
 - Missing lowerings: compiling a graph with an aten op that has no traceable lowering raises NotImplementedError
   naming the op, its input shapes/dtypes and the ways out. With `TORCH_TPU_COMPILE_FALLBACK=eager` (or
   `options={"fallback": "eager"}`) such a graph instead runs op by op in tpu eager, with a warning.
@@ -321,6 +324,8 @@ def _check_lowerings(gm: torch.fx.GraphModule, name: str) -> list[str]:
                         and not (src.is_contiguous() and src.storage_offset() == 0)):
                     problems.append(f"aten::{op} of a non-contiguous input (node {node.name}; inputs "
                                     f"{_describe(node)})")
+        elif isinstance(target, torch._ops.HigherOrderOperator):
+            problems.extend(_higher_order_problems(node))
         elif isinstance(target, torch._ops.OperatorBase):
             problems.append(f"{target} (node {node.name}; inputs {_describe(node)})")
         # Anything else (operator.getitem, SymInt arithmetic, math.*) runs as Python at trace time.
@@ -329,6 +334,29 @@ def _check_lowerings(gm: torch.fx.GraphModule, name: str) -> list[str]:
     if len(devices) > 1:  # one XLA program runs on one device
         problems.append(f"tensors on several devices in one graph ({', '.join(devices)}): move the .to() between "
                         "devices out of the compiled function")
+    return problems
+
+
+def _higher_order_problems(node: torch.fx.Node) -> list[str]:
+    """A higher-order op (flex_attention...) needs a graph lowering (kernels' HIGHER_ORDER) and subgraphs whose
+    aten ops are all traceable."""
+    name = node.target.name()
+    if not _trace.traceable_higher_order(name):
+        return [f"torch.ops.higher_order.{name} (node {node.name}; inputs {_describe(node)})"]
+    problems = []
+    seen: list[torch.fx.Node] = []
+    torch.fx.node.map_arg(_trace.higher_order_traced_args(name, node.args), lambda n: seen.append(n) or n)
+    gm = node.graph.owning_module
+    for a in seen:
+        sub = getattr(gm, a.target, None) if a.op == "get_attr" else None
+        if not isinstance(sub, torch.fx.GraphModule):
+            continue
+        for sn in sub.graph.nodes:
+            if (sn.op == "call_function" and isinstance(sn.target, torch._ops.OpOverload)
+                    and not _trace.traceable(_trace.overload_name(sn.target))):
+                op = _trace.overload_name(sn.target)
+                problems.append(f"{op if '::' in op else 'aten::' + op} in the {a.target} subgraph of "
+                                f"torch.ops.higher_order.{name} (node {node.name})")
     return problems
 
 
@@ -388,6 +416,7 @@ def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
             "# inputs:\n" + "".join(f"#   {i}: {s}\n" for i, s in enumerate(shapes))
             + gm.print_readable(print_output=False))
 
+    _load_collective_lowerings(gm)
     problems = _check_lowerings(gm, name)
     if problems:
         listing = "\n  ".join(problems)
@@ -403,6 +432,15 @@ def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
             "(or options={'fallback': 'eager'}) to run such graphs op by op in tpu eager.")
 
     return _GraphProgram(gm, example_inputs, name, dump_dir, n_user).boxed()
+
+
+def _match_none(value: Any, expected: Any) -> Any:
+    """`value` with None wherever the graph's metadata `expected` has None (outputs nobody computes)."""
+    if expected is None:
+        return None
+    if isinstance(expected, (tuple, list)) and isinstance(value, (tuple, list)) and len(value) == len(expected):
+        return type(value)(_match_none(v, e) for v, e in zip(value, expected))
+    return value
 
 
 def _boxed(fn: Callable[[list], Any]) -> Callable[[list], Any]:
@@ -421,6 +459,84 @@ def _on_host(val: Any) -> bool:
     if isinstance(val, (tuple, list)):
         return bool(val) and all(_on_host(v) for v in val)
     return isinstance(val, torch.Tensor) and val.device.type == "cpu"
+
+
+# ---- functional collectives: a graph with collectives is one SPMD program over the group's devices ----
+
+def _has_collectives(nodes: Any) -> bool:
+    return any(n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional"
+               for n in nodes)
+
+
+def _load_collective_lowerings(gm: torch.fx.GraphModule) -> None:
+    """The functional collectives' graph lowerings live with tpu_dist (distributed/_compiled.py): registered when
+    a graph first has one."""
+    if _has_collectives(gm.graph.nodes):
+        from torch_tpu.distributed import _compiled  # noqa: F401  (registers the lowerings)
+
+
+def _collective_mesh(nodes: Sequence[torch.fx.Node], name: str) -> tuple[Any, Any] | None:
+    """(mesh, process group) when the graph has functional collectives, else None."""
+    if not _has_collectives(nodes):
+        return None
+    from torch_tpu.distributed import _compiled
+
+    return _compiled.program_mesh(nodes, name)
+
+
+def _wait_for_group(pg: Any) -> None:
+    from torch_tpu.distributed import _compiled
+
+    _compiled.wait_for_group(pg)
+
+
+def _spmd_program(run: Callable[..., Any], mesh: Any, index: int) -> Callable[..., Any]:
+    """`run(statics, *arrays)` as one program over `mesh` (`jax.shard_map` on its one axis): each rank passes its
+    local arrays and gets its local results, the program's collectives run across the ranks. The local arrays
+    become the shards of global arrays (concatenated along axis 0: no copy); 0-d values travel as shape (1,)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from torch_tpu.distributed import _compiled
+
+    spec = PartitionSpec(_compiled.axis_name())
+    sharding = NamedSharding(mesh, spec)
+    n = mesh.size
+    scalar_outs: dict[tuple, list[bool]] = {}  # (statics, scalar inputs) -> which output leaves are 0-d
+
+    def body(statics: tuple, scalars: tuple, *local: Any) -> Any:
+        local = tuple(a.reshape(()) if s else a for a, s in zip(local, scalars))
+        leaves, tree = jax.tree.flatten(run(statics, *local))
+        scalar_outs[(statics, scalars)] = [v.ndim == 0 for v in leaves]
+        return jax.tree.unflatten(tree, [v.reshape((1,)) if v.ndim == 0 else v for v in leaves])
+
+    def spmd(statics: tuple, scalars: tuple, *glob: Any) -> Any:
+        return jax.shard_map(functools.partial(body, statics, scalars), mesh=mesh, in_specs=spec, out_specs=spec,
+                             check_vma=False)(*glob)
+
+    spmd.__name__ = getattr(run, "__name__", "program")
+    jitted = jax.jit(spmd, static_argnums=(0, 1))
+    device = _runtime.device(index)
+
+    def global_arrays(arrays: Sequence[Any]) -> tuple[tuple, list[Any]]:
+        local = [jax.device_put(a, device) if isinstance(a, np.ndarray) else a for a in arrays]
+        scalars = tuple(a.ndim == 0 for a in local)
+        local = [a.reshape((1,)) if s else a for a, s in zip(local, scalars)]
+        return scalars, [jax.make_array_from_single_device_arrays((n * a.shape[0],) + tuple(a.shape[1:]),
+                                                                  sharding, [a]) for a in local]
+
+    def call(statics: tuple, *arrays: Any) -> Any:
+        scalars, glob = global_arrays(arrays)
+        leaves, tree = jax.tree.flatten(jitted(statics, scalars, *glob))
+        flags = scalar_outs[(statics, scalars)]
+        local = [v.addressable_shards[0].data for v in leaves]
+        return jax.tree.unflatten(tree, [v.reshape(()) if f else v for v, f in zip(local, flags)])
+
+    def lower(statics: tuple, *arrays: Any) -> Any:
+        scalars, glob = global_arrays(arrays)
+        return jitted.lower(statics, scalars, *glob)
+
+    call.lower = lower  # type: ignore[attr-defined]
+    return call
 
 
 class _GraphProgram:
@@ -537,6 +653,10 @@ class _GraphProgram:
             if isinstance(dst, torch.Tensor) and not _symbolic(dst):
                 donate.append(pos_in[self.placeholder_pos[n.args[0]]])
         self.donate = tuple(dict.fromkeys(donate))[:64]
+        # Functional collectives: the program is one SPMD program over the group's mesh (_spmd_program).
+        self.spmd = _collective_mesh(self.nodes, name)
+        if self.spmd is not None:
+            self.donate = ()  # the program's inputs are global arrays built around the local buffers
         # Programs by (index checks on, donation bitmask): with the index checks (the default) and without (the
         # unsafe opt-out, see _checks); one per set of donated inputs (in a steady loop: all of them).
         self._programs: dict[tuple[bool, int], Any] = {}
@@ -545,6 +665,8 @@ class _GraphProgram:
 
     def _program(self, checked: bool, mask: int) -> Any:
         prog = self._programs.get((checked, mask))
+        if prog is None and self.spmd is not None:
+            prog = self._programs[(checked, mask)] = _spmd_program(self._named_run, self.spmd[0], self.index)
         if prog is None:
             kwargs: dict[str, Any] = {"static_argnums": 0}
             if mask:
@@ -622,6 +744,8 @@ class _GraphProgram:
 
     def _call(self, node: torch.fx.Node, args: Any, kwargs: Any, mutations: list[Any]) -> Any:
         target = node.target
+        if isinstance(target, torch._ops.HigherOrderOperator):
+            return self._call_higher_order(node, args, kwargs)
         if not isinstance(target, torch._ops.OpOverload):
             return target(*args, **kwargs)  # operator.getitem, SymInt arithmetic
         if node in self.device_mutations:
@@ -639,6 +763,22 @@ class _GraphProgram:
             except Exception:  # exception types with other constructors (JAX's tracer errors)
                 err = RuntimeError(msg)
             raise err from e
+
+    def _call_higher_order(self, node: torch.fx.Node, args: Any, kwargs: Any) -> Any:
+        """A higher-order op (flex_attention): its registry lowering, with the subgraphs lowered as JAX callables.
+        Outputs the graph expects as None (a buffer's gradient it does not need) stay None."""
+        name = node.target.name()
+        try:
+            out = _trace.trace_higher_order(name, args, kwargs)
+        except Exception as e:
+            msg = (f"torch.compile(backend='tpu'): lowering torch.ops.higher_order.{name} failed in {self.name} at "
+                   f"node {node.name} (inputs {_describe(node)}): {type(e).__name__}: {e}")
+            try:
+                err = type(e)(msg)
+            except Exception:
+                err = RuntimeError(msg)
+            raise err from e
+        return _match_none(out, node.meta.get("val"))
 
     def _run_host(self, args: list) -> dict[torch.fx.Node, Any]:
         env: dict[torch.fx.Node, Any] = {}
@@ -659,7 +799,7 @@ class _GraphProgram:
         host, host_feeds, host_mutations = self.host, self.host_feeds, self.host_mutations
         feeds_packed = self.feeds_packed
 
-        donate, programs = self.donate, self._programs
+        donate, programs, spmd = self.donate, self._programs, self.spmd
         # Mutated tpu inputs written back by one C++ call; the arrays wrapped as new tensors by another.
         wrapped = [s[1] for s in out_spec if s[0] == "array" and not s[3]]
 
@@ -681,6 +821,8 @@ class _GraphProgram:
             if mask:
                 counters["tpu_donation"]["inputs"] += mask.bit_count()  # apart: counters["tpu"] counts compiles
             program = programs.get((checked, mask)) or self._program(checked, mask)
+            if spmd is not None:
+                _wait_for_group(spmd[1])
             try:
                 outs, muts, checks = program(statics, *arrays, *constants)
             except RuntimeError:  # PJRT's RESOURCE_EXHAUSTED becomes torch.OutOfMemoryError

@@ -5,7 +5,9 @@ the table's lowerings (kernels/registry.py) here on JAX tracers, with the same a
 and casts as the eager kernels (kernels/_schema.py's `Signature`). Tensor arguments are JAX values, Scalars and
 static arguments are Python values. Trace-only lowerings (`lower(..., trace_only=True)`: views, metadata and
 composites) are found here too; `_foreach_*` overloads map their elementwise lowering over the lists. Random
-lowerings draw their keys from `torch_tpu._executor.trace_random` (re-exported here).
+lowerings draw their keys from `torch_tpu._executor.trace_random` (re-exported here). Higher-order operators
+(flex_attention) call the registry's HIGHER_ORDER lowerings, their FX subgraph arguments turned into JAX
+callables by `trace_graph`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+import torch.fx
 
 from torch_tpu._executor import next_trace_key, trace_random
 from torch_tpu.kernels._schema import (
@@ -29,9 +32,10 @@ from torch_tpu.kernels._schema import (
     bind_arguments,
     overload_name,
 )
-from torch_tpu.kernels.registry import LOWERINGS
+from torch_tpu.kernels.registry import HIGHER_ORDER, LOWERINGS
 
-__all__ = ["next_trace_key", "overload_name", "trace_call", "trace_random", "traceable"]
+__all__ = ["next_trace_key", "overload_name", "trace_call", "trace_graph", "trace_higher_order", "trace_random",
+           "traceable", "traceable_higher_order"]
 
 _TRACE_KERNELS: dict[str, Signature | None] = {}
 
@@ -129,3 +133,86 @@ def _trace_foreach(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> li
     vals = bind_arguments(name, _overload(name)._schema.arguments, args, kwargs)
     n = len(next(v for v, p in zip(vals, per_elem) if p))
     return [trace_call(cand, [v[i] if p else v for v, p in zip(vals, per_elem)], {}) for i in range(n)]
+
+
+# ---- higher-order operators: FX subgraphs as JAX callables ----
+
+def traceable_higher_order(name: str) -> bool:
+    """True when higher-order operator `name` (e.g. "flex_attention") has a graph lowering."""
+    return name in HIGHER_ORDER
+
+
+def higher_order_traced_args(name: str, args: Sequence[Any]) -> list[Any]:
+    """The positional arguments of a call of HOP `name` that its lowering uses (all but its `unused` ones)."""
+    import inspect
+
+    fn = HIGHER_ORDER[name]
+    params = list(inspect.signature(fn).parameters)
+    unused = getattr(fn, "unused", frozenset())
+    return [a for i, a in enumerate(args) if i >= len(params) or params[i] not in unused]
+
+
+def trace_graph(gm: torch.fx.GraphModule) -> Any:
+    """An FX subgraph of aten ops (a HOP's score_mod, mask_mod...) as a function of JAX values: each node's lowering
+    is called by `trace_call`; Python nodes (operator.getitem, SymInt arithmetic) run as Python."""
+    nodes = list(gm.graph.nodes)
+    for node in nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            if not traceable(overload_name(node.target)):
+                op = overload_name(node.target)
+                raise NotImplementedError(
+                    f"{op if '::' in op else 'aten::' + op} (node {node.name} of subgraph {type(gm).__name__}) has no "
+                    "lowering in torch_tpu.kernels that can be traced: add one with @lower (docs/adding_kernels.md)")
+        elif node.op in ("call_module", "call_method") or (node.op == "get_attr" and isinstance(
+                getattr(gm, node.target, None), torch.Tensor)):
+            raise NotImplementedError(
+                f"torch.compile(backend='tpu'): subgraph node {node.name} ({node.op} {node.target}) cannot be traced "
+                "in a higher-order op's subgraph: pass tensors the function reads as captured buffers")
+
+    def run(*args: Any) -> Any:
+        env: dict[Any, Any] = {}
+        it = iter(args)
+        for node in nodes:
+            if node.op == "placeholder":
+                env[node] = next(it)
+            elif node.op == "get_attr":
+                env[node] = getattr(gm, node.target)
+            elif node.op == "call_function":
+                a = torch.fx.node.map_arg(node.args, env.__getitem__)
+                kw = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+                if isinstance(node.target, torch._ops.OpOverload):
+                    env[node] = trace_call(overload_name(node.target), a, kw)
+                else:
+                    env[node] = node.target(*a, **kw)
+            elif node.op == "output":
+                out = torch.fx.node.map_arg(node.args[0], env.__getitem__)
+                return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
+        raise RuntimeError(f"subgraph {type(gm).__name__} has no output node")
+
+    return run
+
+
+def trace_higher_order(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """Calls higher-order operator `name`'s graph lowering on JAX values; FX subgraphs among its arguments (also
+    inside tuples, like flex_attention's block mask) become JAX callables."""
+    fn = HIGHER_ORDER.get(name)
+    if fn is None:
+        raise NotImplementedError(
+            f"torch.ops.higher_order.{name} has no graph lowering in torch_tpu.kernels (registry.HIGHER_ORDER): add "
+            "one with @higher_order, or run the region eagerly (torch.compiler.disable)")
+
+    def convert(v: Any) -> Any:
+        if isinstance(v, torch.fx.GraphModule):
+            return trace_graph(v)
+        if isinstance(v, tuple):
+            return tuple(convert(x) for x in v)
+        if isinstance(v, list):
+            return [convert(x) for x in v]
+        return v
+
+    import inspect
+
+    params = list(inspect.signature(fn).parameters)
+    unused = getattr(fn, "unused", frozenset())
+    args = tuple(a if i < len(params) and params[i] in unused else convert(a) for i, a in enumerate(args))
+    return fn(*args, **{k: v if k in unused else convert(v) for k, v in kwargs.items()})

@@ -30,6 +30,7 @@ from torch_tpu.kernels.nn import (  # noqa: F401  (imported for their registrati
     distance,
     dropout,
     rnn,
+    flex_attention,
 )
 
 # The public names of the former module kernels/nn.py stay importable from torch_tpu.kernels.nn.
