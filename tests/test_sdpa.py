@@ -81,6 +81,18 @@ def test_sdpa_grad_fn_is_the_fused_op_and_mask_grad_goes_to_math():
     torch.testing.assert_close(m.grad.cpu(), mc.grad, atol=1e-5, rtol=1e-4)
 
 
+def test_tensor_subclasses_go_to_math():
+    class Sub(torch.Tensor):  # stands for DTensor: its sharding rules cover the math path's ops, not the fused op
+        pass
+
+    q = torch.randn(1, 2, 4, 8, device=DEV)
+    assert fa.choose(q, q, q, None, 0.0, False, None, False) == int(SDPBackend.OVERRIDEABLE)
+    assert fa.choose(q.as_subclass(Sub), q, q, None, 0.0, False, None, False) == int(SDPBackend.MATH)
+    with pytest.raises(RuntimeError, match=r"tensor subclass \(Sub\)"):
+        with sdpa_kernel(SDPBackend.OVERRIDEABLE):
+            fa.choose(q.as_subclass(Sub), q, q, None, 0.0, False, None, False)
+
+
 def test_sdpa_kernel_context_is_honoured():
     q = torch.randn(1, 2, 4, 8, device=DEV)
     with sdpa_kernel(SDPBackend.MATH):

@@ -48,6 +48,9 @@ def _unfused_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     """Why the fused op cannot serve this call (None when it can)."""
     if q.is_nested or k.is_nested or v.is_nested:
         return "nested tensors"
+    sub = next((type(t).__name__ for t in (q, k, v, mask) if t is not None and _subclass(t)), None)
+    if sub is not None:  # DTensor has sharding rules for the math path's ops, none for the fused op
+        return f"a tensor subclass ({sub})"
     if q.dim() not in (3, 4) or k.dim() != q.dim() or v.dim() != q.dim():
         return f"query/key/value of {q.dim()}/{k.dim()}/{v.dim()} dims (the fused op takes 3-D or 4-D ones)"
     if not q.dtype.is_floating_point or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -73,6 +76,16 @@ def _unfused_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         except RuntimeError:
             return f"an attn_mask of shape {list(mask.shape)} that does not broadcast to {list(full)}"
     return None
+
+
+def _subclass(t: torch.Tensor) -> bool:
+    """A tensor subclass such as DTensor (not the fake/functional tensors torch.compile traces with)."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter):
+        return False
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return not isinstance(t, (FakeTensor, FunctionalTensor))
 
 
 def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
