@@ -39,7 +39,7 @@ CASES = [
     (2, 2, 2, 5, 9, 8, 6, False, "bool", False),
     (2, 4, 4, 5, 9, 8, 8, False, "float", False),
     (2, 4, 2, 5, 7, 8, 8, True, None, True),  # GQA
-    (1, 4, 1, 3, 600, 8, 8, False, "bool", True),  # MQA; S > KV_BLOCK: two blocks, one padded
+    (1, 4, 1, 3, 600, 8, 8, False, "bool", True),  # MQA; S > KV_BLOCK: several blocks, the last padded
 ]
 
 
@@ -167,6 +167,8 @@ def test_pallas_interpret_matches_blocked_and_cpu(hk, causal, bias):
     k = jax.random.normal(key[1], (1, hk, 128, 32), jnp.float32)
     v = jax.random.normal(key[2], (1, hk, 128, 32), jnp.float32)
     b = jax.random.normal(key[3], (1, 1, 128, 128), jnp.float32) if bias else None
+    if bias:  # a bool mask as the dispatcher passes it: -inf entries, one row with no key at all
+        b = b.at[0, 0, 3].set(-jnp.inf).at[0, 0, 5, ::2].set(-jnp.inf)
     do = jax.random.normal(key[4], (1, 2, 128, 32), jnp.float32)
     sc = 32 ** -0.5
     assert fa._fits(q, k, v, 0.0)
