@@ -57,6 +57,8 @@ def _unfused_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         return f"query/key/value of {q.dim()}/{k.dim()}/{v.dim()} dims (the fused op takes 3-D or 4-D ones)"
     if not q.dtype.is_floating_point or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}"
+    if q.dtype == torch.float64:
+        return "float64 (the fused op keeps its logsumexp in float32, as its schema says)"
     if k.shape[-1] != q.shape[-1] or v.shape[-2] != k.shape[-2]:
         return "mismatched head dims or key/value lengths"
     if q.dim() == 4 and not (k.shape[0] == v.shape[0] == q.shape[0]):
@@ -125,7 +127,7 @@ def _scale(scale: float | None, e: int) -> float:
 
 
 def _acc(dtype: Any) -> Any:
-    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32  # (float64 reaches here only when called directly)
 
 
 def _fits(q: Any, k: Any, v: Any, dropout_p: float) -> bool:
