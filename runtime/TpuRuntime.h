@@ -114,6 +114,8 @@ Callbacks& callbacks();
 
 // ---- memory accounting (TpuAllocator.cpp): adds _memory_stats, _set_memory_limit, ... to torch_tpu._C ----
 void add_memory_methods(pybind11::module_& m);
+// ---- scaled_dot_product_attention's backend choice (TpuAttention.cpp): adds _set_sdp_choice ----
+void add_attention_methods(pybind11::module_& m);
 // With a Python error set: replaces PJRT's RESOURCE_EXHAUSTED by torch.OutOfMemoryError (counted in num_ooms of
 // `device`), naming `what` ran; any other error is left as it is.
 void translate_oom_error(int device, const std::string& what);

@@ -1341,6 +1341,78 @@ def bench_compiled_collectives(ranks: int = 2) -> None:
             p.kill()
             print("  compiled_collectives: a rank did not finish within 600 s")
 
+def bench_sdpa(L: int = 4096, heads: int = 2, head_dim: int = 64, trials: int = 3) -> None:
+    """F.scaled_dot_product_attention at L = S = 4096 (causal, float32, batch 1), forward + backward on tpu: the fused
+    op's blocked XLA path (kernels/pallas/flash_attention.py) next to PyTorch's math path (sdpa_kernel(MATH): the
+    L x S scores as tensors). Two memory figures, which differ in what they see:
+    - live peak: torch.tpu.max_memory_allocated over one step, the tensors alive at once (not a program's
+      temporaries);
+    - XLA temp: memory_analysis().temp_size_in_bytes of the compiled forward+backward program of each path (the
+      blocked path's lax.scan vs the math path's softmax over the whole score matrix), the temporaries only."""
+    import jax
+    import jax.numpy as jnp
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from torch_tpu.kernels.pallas import flash_attention as fa
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, heads, L, head_dim, device="tpu", requires_grad=True) for _ in range(3))
+    do = torch.randn(1, heads, L, head_dim, device="tpu")
+
+    def step(math: bool) -> Callable[[], None]:
+        def run() -> None:
+            for t in (q, k, v):
+                t.grad = None
+            if math:
+                with sdpa_kernel(SDPBackend.MATH):
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            o.backward(do)
+            torch.tpu.synchronize()
+        return run
+
+    fns = {"blocked (fused op)": step(False), "math": step(True)}
+    peaks = {}
+    for name, fn in fns.items():
+        fn()  # compile
+        torch.tpu.synchronize()
+        base = torch.tpu.memory_allocated()
+        torch.tpu.reset_peak_memory_stats()
+        fn()
+        peaks[name] = torch.tpu.max_memory_allocated() - base
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    for _ in range(trials):  # interleaved, one step each (a step is seconds on XLA:CPU)
+        for name, fn in fns.items():
+            times[name].append(per_call_us(fn, 1))
+    r = {n: statistics.median(t) for n, t in times.items()}
+
+    sc = head_dim ** -0.5
+    a = [jnp.zeros((1, heads, L, head_dim), jnp.float32)] * 4
+
+    def blocked(q, k, v, g):
+        o, lse = fa._blocked_forward(q, k, v, None, True, sc, 0.0, None)
+        return o, fa._blocked_backward(g, q, k, v, None, o, lse, True, sc, 0.0, None)
+
+    def math_path(q, k, v, g):
+        def f(q, k, v):
+            s = jnp.einsum("bhle,bhse->bhls", q, k) * sc
+            s = jnp.where(jnp.tril(jnp.ones((L, L), bool)), s, -jnp.inf)
+            return jnp.einsum("bhls,bhse->bhle", jax.nn.softmax(s, -1), v)
+        o, vjp = jax.vjp(f, q, k, v)
+        return o, vjp(g)
+
+    temp = {n: jax.jit(f).lower(*a).compile().memory_analysis().temp_size_in_bytes
+            for n, f in (("blocked (fused op)", blocked), ("math", math_path))}
+    mb = 1 / 2**20
+    print(f"sdpa  L=S={L} heads={heads} head_dim={head_dim} causal float32 fwd+bwd  platform={torch.tpu.get_device_name()}")
+    for n in fns:
+        print(f"  {n:<20} {r[n] / 1e3:9.1f} ms/step   live peak {peaks[n] * mb:8.1f} MiB   XLA temp {temp[n] * mb:8.1f} MiB")
+    print(f"  ratio blocked / math time        : {r['blocked (fused op)'] / r['math']:.2f}x")
+    print(f"  ratio blocked / math live peak   : {peaks['blocked (fused op)'] / peaks['math']:.3f}x  (target < 0.25)")
+    print(f"  ratio blocked / math XLA temp    : {temp['blocked (fused op)'] / temp['math']:.3f}x  (target < 0.25)")
+
 
 BENCHMARKS = {"eager_overhead": bench_eager_overhead, "op_overhead": bench_op_overhead, "training": bench_training,
               "fuse": bench_fuse, "cold_start": bench_cold_start, "compile": bench_compile,
@@ -1348,7 +1420,7 @@ BENCHMARKS = {"eager_overhead": bench_eager_overhead, "op_overhead": bench_op_ov
               "threads": bench_threads, "profiler": bench_profiler, "host": bench_host, "streams": bench_streams,
               "jax_op": bench_jax_op, "inductor_default": bench_inductor_default,
               "grouped_mm": bench_grouped_mm, "paged_attention": bench_paged_attention,
-              "compiled_collectives": bench_compiled_collectives}
+              "compiled_collectives": bench_compiled_collectives, "sdpa": bench_sdpa}
 
 
 def main(argv: list[str]) -> int:

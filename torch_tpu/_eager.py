@@ -82,7 +82,7 @@ class OpKernel(Signature):
                 # A Python number reaching a Tensor argument (`x + 1`): a wrapped scalar.
                 dyn.append(v)
                 static.append(type(v))
-            elif k == TENSOR or (k == OPT_TENSOR and v is not None):
+            elif (k == TENSOR or k == OPT_TENSOR) and v is not None:  # (an undefined Tensor arrives as None)
                 index, dev = self._check_device(v, index, dev)
                 dyn.append(_storage.read(v) if v.device.type == "tpu" else v)  # CPU scalars: below
                 static.append(None)
