@@ -461,8 +461,13 @@ def _config_text() -> str:
     (x64, default matmul precision, ...) and XLA's flags."""
     import jax
 
+    from torch_tpu import _config
+
     items = sorted((k, repr(v)) for k, v in jax.config.values.items() if not k.startswith(_CONFIG_SKIP))
-    return repr((items, os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", "")))
+    # TORCH_TPU_PALLAS picks a kernel's path while a program is traced (kernels/pallas/_select.py): a fused
+    # program stored under one setting must not be found under another.
+    return repr((items, os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
+                 _config.get("TORCH_TPU_PALLAS")))
 
 
 _SOURCE_HASH: list[str] = []

@@ -450,3 +450,14 @@ def test_compiled_graph_with_a_custom_op_is_not_stored(tmp_path) -> None:
         torch.testing.assert_close(torch.tensor(result["out"]), x.sin() * 2 + 1)
         assert not result["aot"].get("autograd_cache_hit") and "unable to serialize" not in out.stderr, out.stderr
     assert not _aot_entries(tmp_path)
+
+
+def test_pallas_setting_is_part_of_torch_tpus_keys(monkeypatch) -> None:
+    """Fused programs and op metadata are keyed by Python call structure; the Pallas path is chosen while a
+    program is traced (TORCH_TPU_PALLAS), so an entry stored under one setting must miss under another."""
+    from torch_tpu import compile_cache
+
+    monkeypatch.setenv("TORCH_TPU_PALLAS", "reference")
+    reference = compile_cache._config_text()
+    monkeypatch.setenv("TORCH_TPU_PALLAS", "interpret")
+    assert compile_cache._config_text() != reference
