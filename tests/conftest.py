@@ -52,6 +52,18 @@ def tpu() -> torch.device:
     return torch.device("tpu:0")
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Each compile test starts with Dynamo's caches and counters empty and leaves none behind (a test module
+    uses it for all its tests with `pytestmark = pytest.mark.usefixtures("fresh_dynamo")`)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
 def check_fused_step_like_cpu(base: dict, step, dtype) -> None:
     """A fused optimizer kernel called as GradScaler's step calls it: `step(tensors, device)` updates the lists of
     `base` (cloned to each device) in place with grad_scale and found_inf on that device; tpu must match CPU, and

@@ -20,12 +20,7 @@ from conftest import REPO, run_python
 sys.path.insert(0, str(REPO / "examples"))
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _example(name: str):

@@ -15,12 +15,7 @@ from torch._dynamo.utils import counters
 from conftest import run_python
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _mlp(device: str) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -29,12 +29,7 @@ from torch_tpu._internal.pallas import tpu_torch_pallas as ttp
 sys.path.insert(0, str(REPO / "examples"))
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _export(fn, *shapes, platform="cpu", dtype=jnp.float32) -> bytes:
