@@ -146,14 +146,6 @@ def test_view_as_real_of_complex_input_compiled() -> None:
 
 # ---- flex_attention ----
 
-@pytest.fixture
-def tpu_flex(monkeypatch):
-    """PyTorch's Python allow-list of devices leaves `tpu` out (see tests/test_flex_attention.py)."""
-    upstream = fa._validate_device
-    monkeypatch.setattr(fa, "_validate_device",
-                        lambda q, k, v: None if q.device.type == "tpu" else upstream(q, k, v))
-
-
 def _reference(q, k, v, keep, bias):
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
@@ -162,7 +154,7 @@ def _reference(q, k, v, keep, bias):
 
 
 @pytest.mark.parametrize("heads", [(2, 2), (4, 2)])  # (query heads, key/value heads): MHA and GQA
-def test_flex_attention_compiled_matches_cpu(tpu_flex, heads) -> None:
+def test_flex_attention_compiled_matches_cpu(heads) -> None:
     torch.manual_seed(0)
     b, n, d = 2, 128, 16
     hq, hkv = heads
@@ -200,7 +192,7 @@ def test_flex_attention_compiled_matches_cpu(tpu_flex, heads) -> None:
         torch.testing.assert_close(t.grad.cpu(), c.grad, atol=2e-5, rtol=1e-4)
 
 
-def test_flex_attention_compiled_fully_masked_rows_and_lse(tpu_flex) -> None:
+def test_flex_attention_compiled_fully_masked_rows_and_lse() -> None:
     """Rows whose every key is masked give 0 (PyTorch's safe softmax) and a -inf log-sum-exp, without NaN in the
     gradients; return_lse matches CPU's natural-log values elsewhere."""
     torch.manual_seed(1)
@@ -229,7 +221,7 @@ def test_flex_attention_compiled_fully_masked_rows_and_lse(tpu_flex) -> None:
         assert torch.isfinite(t.grad.cpu()).all()
 
 
-def test_flex_attention_compiled_bias_buffer_gets_its_gradient(tpu_flex) -> None:
+def test_flex_attention_compiled_bias_buffer_gets_its_gradient() -> None:
     """A learnable bias read by the score_mod (a relative-position table, as in T5) gets its gradient."""
     torch.manual_seed(2)
     b, h, n, d = 1, 2, 128, 8
@@ -256,7 +248,7 @@ def test_flex_attention_compiled_bias_buffer_gets_its_gradient(tpu_flex) -> None
         torch.testing.assert_close(t.grad.cpu(), c.grad, atol=2e-5, rtol=1e-4)
 
 
-def test_flex_attention_compiled_mask_mod_index_is_checked(tpu_flex) -> None:
+def test_flex_attention_compiled_mask_mod_index_is_checked() -> None:
     """An out-of-range read of a captured tensor inside the mask_mod is an IndexError at the next sync, as in eager
     code (a device-side check), never a silently clamped value."""
     b, h, n, d = 1, 1, 128, 8

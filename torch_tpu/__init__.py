@@ -55,6 +55,10 @@ def _setup() -> None:
     from torch_tpu import _dynamo_backend
 
     _dynamo_backend.install()
+    # PyTorch's Python device allow-lists that leave tpu out of ops that run on it (FlexAttention's).
+    from torch_tpu import _torch_gates
+
+    _torch_gates.install()
     # TPUs compute in bfloat16 natively: torch.autocast("tpu") defaults to it (runtime/TpuAutocast.cpp has the
     # per-op policy).
     torch.set_autocast_dtype("tpu", torch.bfloat16)

@@ -6,16 +6,13 @@ backend="tpu")` runs at the same time both see the name unregistered, both load 
 `register_backend` fails with "AssertionError: duplicate name: tpu". Registering the backend while the registry
 module itself is imported (under Python's import lock, before any thread can look a name up) closes that window.
 
-`import torch` must not import `torch._dynamo` (about a second), so this installs an import hook that waits for
-`torch._dynamo.backends.registry` and registers a thin `tpu` entry that imports torch_tpu._compile on its first
-call. The entry point stays: `torch._dynamo.list_backends()` and tools that read entry points still find it.
+`import torch` must not import `torch._dynamo` (about a second), so this waits for
+`torch._dynamo.backends.registry` to be imported (torch_tpu/_import_hooks.py) and registers a thin `tpu` entry
+that imports torch_tpu._compile on its first call. The entry point stays: `torch._dynamo.list_backends()` and tools that read entry points still find it.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
-import sys
 from typing import Any, Sequence
 
 _REGISTRY = "torch._dynamo.backends.registry"
@@ -33,37 +30,10 @@ def _register(registry: Any) -> None:
         registry.register_backend(compiler_fn=tpu, name="tpu")
 
 
-class _RegisterWhenImported(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when Python looks for Dynamo's registry module, it asks the other finders for its
-    spec and wraps the loader so that the backend is registered right after the module runs."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != _REGISTRY:
-            return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)  # once; also keeps the lookup below from coming back here
-        spec = importlib.util.find_spec(name)
-        loader = getattr(spec, "loader", None)
-        exec_module = getattr(loader, "exec_module", None)
-        if exec_module is None:
-            return spec
-
-        def exec_and_register(module: Any) -> None:
-            exec_module(module)
-            _register(module)
-
-        loader.exec_module = exec_and_register  # type: ignore[union-attr]
-        return spec
-
-
 def install() -> None:
     """Registers the backend now if Dynamo's registry is already imported, else when it is; and routes default
     torch.compile's tpu graphs (torch_tpu/_inductor_route.py)."""
-    from torch_tpu import _inductor_route
+    from torch_tpu import _import_hooks, _inductor_route
 
     _inductor_route.install()
-    registry = sys.modules.get(_REGISTRY)
-    if registry is not None:
-        _register(registry)
-    elif not any(isinstance(f, _RegisterWhenImported) for f in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterWhenImported())
+    _import_hooks.when_imported(_REGISTRY, _register)

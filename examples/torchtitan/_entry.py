@@ -4,13 +4,16 @@
 
 --device tpu: torch_tpu autoloads with torch (strict: TORCH_TPU_CPU_FALLBACK must be unset) and TorchTitan
 picks `tpu` and `tpu_dist` on its own (`torch._utils._get_available_device_type`,
-`dist.Backend.default_device_backend_map`). The only thing lifted is PyTorch's own device allow-list gate
-in `torch.nn.attention.flex_attention._validate_device` (see docs/user_guide.md, "TorchTitan").
+`dist.Backend.default_device_backend_map`); torch_tpu itself lifts PyTorch's FlexAttention device allow-list
+for tpu tensors, and only `torch.distributed.set_timeout` is bridged (below). TorchTitan's
+own `torch.compile` (Inductor) regions around flex_attention and create_block_mask run as TorchTitan wrote them:
+on XLA:CPU default torch.compile sends tpu graphs to the `tpu` backend, which lowers the flex_attention
+higher-order op.
 
 --device cpu: the oracle. torch_tpu is not loaded (TORCH_DEVICE_BACKEND_AUTOLOAD=0) and TorchTitan, which
 knows no CPU training device, is pointed at `cpu` (`torch.cpu` as its device module, gloo as its backend).
-CPU FlexAttention refuses backward in eager, so the oracle runs PyTorch's own math reference of the
-flex_attention operator (the same composite the tpu device runs) — the ops, not a reimplementation.
+CPU FlexAttention refuses backward, eager and under Inductor (its CPU template has none), so the oracle
+runs PyTorch's own math reference of the flex_attention operator eagerly — the ops, not a reimplementation.
 """
 
 from __future__ import annotations
@@ -28,17 +31,18 @@ def _split_argv(argv: list[str]) -> tuple[str, list[str]]:
     return argv[1], rest
 
 
-def _lift_flex_device_gate(device: str) -> None:
-    """PyTorch's FlexAttention checks the device in Python before looking at the op: an allow-list
-    {cuda, cpu, xpu, hpu, mps} that leaves `tpu` out, and a refusal of backward on `cpu` (its Inductor CPU
-    template has none). Both runs here are eager (TORCH_COMPILE_DISABLE=1), where flex_attention is its
-    device-generic math reference with its own backward, so that one check is lifted for the run's device."""
+def _lift_cpu_flex_backward_gate() -> None:
+    """CPU oracle only: PyTorch's FlexAttention refuses backward on `cpu` in Python (`_validate_device`; its
+    Inductor CPU template has none) before the op is looked at. The oracle calls flex_attention eagerly
+    (_eager_flex_regions), where it is PyTorch's device-generic math reference with its own backward, so that
+    one check is lifted. (For `tpu`, torch_tpu itself lifts the allow-list that leaves it out:
+    torch_tpu/_torch_gates.py.)"""
     import torch.nn.attention.flex_attention as fa
 
     upstream = fa._validate_device
 
     def _validate_device(query, key, value):
-        if query.device.type == device:
+        if query.device.type == "cpu":
             return
         upstream(query, key, value)
 
@@ -46,11 +50,9 @@ def _lift_flex_device_gate(device: str) -> None:
 
 
 def _eager_flex_regions() -> None:
-    """TorchTitan wraps `flex_attention` and `create_block_mask` in `torch.compile` (Inductor) at import.
-    Inductor's code generator for device `tpu` emits Pallas-Mosaic kernels exported for platform 'tpu'
-    only (they cannot run on XLA:CPU) and toggles JAX's x64 flag off per call; Inductor's CPU flex template
-    has no backward. Both runs call the two functions eagerly instead: PyTorch's own flex_attention
-    (its math reference under dynamo's eager backend) and create_block_mask."""
+    """CPU oracle only: TorchTitan wraps `flex_attention` and `create_block_mask` in `torch.compile`
+    (Inductor) at import, and Inductor's CPU flex template has no backward. The oracle calls the two functions
+    eagerly instead: PyTorch's own flex_attention (its math reference) and create_block_mask."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     from torchtitan.models.common import attention
 
@@ -128,10 +130,12 @@ def main() -> None:
     else:
         _cpu_as_titan_device()
         _gloo_gradient_sum()
-    _lift_flex_device_gate(device)
+    if device == "cpu":
+        _lift_cpu_flex_backward_gate()
 
     _pg_timeout_bridge()
-    _eager_flex_regions()
+    if device == "cpu":
+        _eager_flex_regions()
     sys.argv = ["torchtitan.train", *titan_argv]
     from torchtitan.train import main as titan_main
 
