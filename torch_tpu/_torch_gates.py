@@ -14,17 +14,26 @@ from typing import Any
 _FLEX = "torch.nn.attention.flex_attention"
 
 
+# Compiled under a name outside torch_tpu's folder: Dynamo skips every frame in torch_tpu (_compile._register), and
+# flex_attention calls the gate while Dynamo traces it, so the gate must be traceable (it folds to a constant on
+# fake tensors, then inlines PyTorch's own check for other devices as before).
+_GATE_SOURCE = """
+def _validate_device(query, key, value):
+    if query.device.type != "tpu":
+        upstream(query, key, value)
+"""
+
+
 def _lift_flex_attention(module: Any) -> None:
     upstream = module._validate_device
     if getattr(upstream, "__wrapped__", None) is not None:
         return
-
-    def _validate_device(query: Any, key: Any, value: Any) -> None:
-        if query.device.type != "tpu":
-            upstream(query, key, value)
-
-    _validate_device.__wrapped__ = upstream  # type: ignore[attr-defined]
-    module._validate_device = _validate_device
+    scope: dict[str, Any] = {"upstream": upstream}
+    exec(compile(_GATE_SOURCE, "<torch_tpu: FlexAttention device gate>", "exec"), scope)
+    gate = scope["_validate_device"]
+    gate.__wrapped__ = upstream
+    gate.__doc__ = "PyTorch's FlexAttention device check, lifted for tpu tensors (torch_tpu/_torch_gates.py)."
+    module._validate_device = gate
 
 
 def install() -> None:
