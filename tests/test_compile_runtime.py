@@ -226,3 +226,24 @@ def test_warm_start_from_the_persistent_cache_gives_the_same_values(tmp_path) ->
     (cold, cold_hits, cold_misses), (warm, warm_hits, warm_misses) = runs
     assert warm == cold
     assert int(cold_misses) > 0 and int(warm_hits) > 0 and int(warm_misses) == 0
+
+
+def test_cpu_inputs_updated_and_returned_from_the_host_part() -> None:
+    # Two CPU counters updated from CPU values alone (the host part, one generated function, written back by one
+    # foreach copy), the new value returned, and read by the device part.
+    def fn(x: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = c + 1
+        c.copy_(n)
+        d.copy_(d * 2 + n)
+        return x * n.to(x.device), n
+
+    compiled = torch.compile(fn, backend="tpu")
+    x = torch.arange(4.0)
+    c, d = torch.tensor(0.0), torch.tensor(1.0)
+    ct, dt = torch.tensor(0.0), torch.tensor(1.0)
+    for _ in range(3):
+        want, want_n = fn(x, c, d)
+        got, got_n = compiled(x.tpu(), ct, dt)
+        torch.testing.assert_close(got.cpu(), want)
+        assert got_n.device.type == "cpu" and got_n.item() == want_n.item()
+        assert (ct.item(), dt.item()) == (c.item(), d.item())

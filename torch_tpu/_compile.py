@@ -110,9 +110,9 @@ def _cpu_output(value: Any) -> torch.Tensor:
     return _runtime.download(value)
 
 
-def _write_host_mutation(t: torch.Tensor, value: torch.Tensor) -> None:
-    """A CPU input updated from values computed on the host."""
-    t.copy_(value)
+def _write_host_mutations(ts: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """CPU inputs updated from values computed on the host (an optimizer's step counts): one foreach copy."""
+    torch._foreach_copy_(ts, values)
 
 
 # =====================================================================================================================
@@ -640,24 +640,31 @@ class _GraphProgram:
                 err = RuntimeError(msg)
             raise err from e
 
-    def _run_host(self, args: list) -> dict[torch.fx.Node, Any]:
-        env: dict[torch.fx.Node, Any] = {}
+    def _host_part(self) -> tuple[Callable[..., tuple], list[int], dict[torch.fx.Node, int]]:
+        """The host nodes as one generated Python function (torch.fx code, no interpreter per node): it takes the
+        CPU inputs (positions returned) and returns the host values the call needs (index of each node)."""
+        graph = torch.fx.Graph()
+        env: dict[torch.fx.Node, torch.fx.Node] = {}
         for node in self.host:
-            if node.op == "placeholder":
-                env[node] = args[self.placeholder_pos[node]]
-            else:
-                a = torch.fx.node.map_arg(node.args, env.__getitem__)
-                kw = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
-                env[node] = node.target(*a, **kw)
-        return env
+            env[node] = graph.node_copy(node, env.__getitem__)
+        wanted = list(dict.fromkeys([*self.host_feeds, *(v for _, v in self.host_mutations),
+                                     *(s[1] for s in self.out_spec if s[0] == "host")]))
+        graph.output(tuple(env[n] for n in wanted))
+        module = torch.fx.GraphModule(self.gm, graph)
+        return module.forward, [self.placeholder_pos[n] for n in self.host if n.op == "placeholder"], \
+            {n: k for k, n in enumerate(wanted)}
 
     # -- the call --
     def boxed(self) -> Callable[[list], Any]:
         tensor_idx, static_idx, mutated = self.tensor_idx, self.static_idx, self.mutated
         constants, index, out_spec = self.constants, self.index, self.out_spec
         out_tuple, out_values = self.out_tuple, self.out_values
-        host, host_feeds, host_mutations = self.host, self.host_feeds, self.host_mutations
-        feeds_packed = self.feeds_packed
+        host, feeds_packed = self.host, self.feeds_packed
+        # The host part (CPU values from CPU inputs) as one generated function; what it returns, by position.
+        host_fn, host_args, at = self._host_part() if host else (None, [], {})
+        feeds = [at[n] for n in self.host_feeds]
+        host_dst = [i for i, _ in self.host_mutations]
+        host_new = [at[v] for _, v in self.host_mutations]
 
         donate, programs = self.donate, self._programs
         # Mutated tpu inputs written back by one C++ call; the arrays wrapped as new tensors by another.
@@ -666,11 +673,11 @@ class _GraphProgram:
         def call(args: list) -> Any:
             statics = tuple(args[i] for i in static_idx)
             arrays, mask = _read_inputs([args[i] for i in tensor_idx], donate)
-            henv = self._run_host(args) if host else None
+            hv = host_fn(*[args[i] for i in host_args]) if host else ()
             if feeds_packed:
-                arrays.append(np.array(torch.stack([henv[n] for n in host_feeds]).numpy(), copy=True))
-            elif host_feeds:
-                arrays += [_read_input(henv[n], index) for n in host_feeds]
+                arrays.append(np.array(torch.stack([hv[k] for k in feeds]).numpy(), copy=True))
+            elif feeds:
+                arrays += [_read_input(hv[k], index) for k in feeds]
             if self.random:
                 arrays += _rng.program_draw(index)
             if self.dump_dir is not None and statics not in self.dumped:
@@ -689,8 +696,8 @@ class _GraphProgram:
             del arrays  # the donated arrays are gone
             if checks:
                 _checks.register(checks)
-            for i, node in host_mutations:
-                _write_host_mutation(args[i], henv[node])
+            if host_dst:
+                _write_host_mutations([args[i] for i in host_dst], [hv[k] for k in host_new])
             if mutated:
                 _write_mutations([args[i] for i in mutated], muts)
             tensors = dict(zip(wrapped, _wrap_outputs([outs[k] for k in wrapped], index))) if wrapped else None
@@ -708,7 +715,7 @@ class _GraphProgram:
                 elif kind == "input":
                     results.append(args[spec[1]])
                 elif kind == "host":
-                    results.append(henv[spec[1]])
+                    results.append(hv[at[spec[1]]])
                 elif kind == "value":
                     results.append(out_values[statics][spec[1]])
                 else:
