@@ -247,3 +247,32 @@ def test_cpu_inputs_updated_and_returned_from_the_host_part() -> None:
         torch.testing.assert_close(got.cpu(), want)
         assert got_n.device.type == "cpu" and got_n.item() == want_n.item()
         assert (ct.item(), dt.item()) == (c.item(), d.item())
+
+
+def test_more_than_64_written_back_inputs_are_all_donated() -> None:
+    # 13 Linear layers: 26 parameters, 78 tensors the optimizer program writes back (past one 64-bit mask).
+    def build(device: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(13)]).to(device)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train_fn(model: nn.Module, opt: torch.optim.Optimizer):
+        def step(x: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(x).square().sum()
+            loss.backward()
+            opt.step()
+            return loss
+        return step
+
+    ref_model, ref_opt = build("cpu")
+    ref_step = train_fn(ref_model, ref_opt)
+    model, opt = build("tpu")
+    step = torch.compile(train_fn(model, opt), backend="tpu")
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    for i in range(3):
+        before = counters["tpu_donation"]["inputs"]
+        torch.testing.assert_close(step(x.tpu()).cpu(), ref_step(x), rtol=1e-5, atol=1e-5)
+        if i:  # steady steps: every parameter, exp_avg and exp_avg_sq handed to the program
+            assert counters["tpu_donation"]["inputs"] - before == 78
+    _close(_state(model, opt), _state(ref_model, ref_opt))

@@ -63,9 +63,18 @@ def _read_inputs(ts: list[torch.Tensor], donate: tuple[int, ...] = ()) -> tuple[
     input views its whole array; else one by one, donating nothing. Under DEFER_AND_FUSE a compiled program is its
     own XLA program: values still pending are computed first."""
     if not _executor.recording():
-        fast = _C._whole_arrays(ts, donate)
+        # The C++ call answers for 64 donation candidates at a time: the later ones first, their arrays dropped
+        # at once (each call's tuple holds a reference that would make every array look shared to the next).
+        more = 0
+        for k in range(64, len(donate), 64):
+            part = _C._whole_arrays(ts, donate[k:k + 64])
+            if part is None:
+                break
+            more |= part[1] << k
+            del part
+        fast = _C._whole_arrays(ts, donate[:64])
         if fast is not None:
-            return list(fast[0]), fast[1]
+            return list(fast[0]), fast[1] | more
     read = _storage.read
     arrays = [read(t) for t in ts]
     if _executor.recording():
@@ -536,7 +545,7 @@ class _GraphProgram:
             dst = n.args[0].meta.get("val")
             if isinstance(dst, torch.Tensor) and not _symbolic(dst):
                 donate.append(pos_in[self.placeholder_pos[n.args[0]]])
-        self.donate = tuple(dict.fromkeys(donate))[:64]
+        self.donate = tuple(dict.fromkeys(donate))
         # Programs by (index checks on, donation bitmask): with the index checks (the default) and without (the
         # unsafe opt-out, see _checks); one per set of donated inputs (in a steady loop: all of them).
         self._programs: dict[tuple[bool, int], Any] = {}
