@@ -276,3 +276,24 @@ def test_more_than_64_written_back_inputs_are_all_donated() -> None:
         if i:  # steady steps: every parameter, exp_avg and exp_avg_sq handed to the program
             assert counters["tpu_donation"]["inputs"] - before == 78
     _close(_state(model, opt), _state(ref_model, ref_opt))
+
+
+def test_compiled_optimizer_step_after_an_eager_backward_donates_its_state() -> None:
+    # The eager backward leaves some gradients as views of other arrays (not whole arrays): the written-back
+    # parameters and state are still donated, and the values match CPU.
+    ref_model, ref_opt = _mlp("cpu")
+    model, opt = _mlp("tpu")
+    opt_step = torch.compile(opt.step, backend="tpu")
+    x, y = _data("tpu")
+    xc, yc = _data("cpu")
+    for i in range(3):
+        ref_opt.zero_grad()
+        F.cross_entropy(ref_model(xc), yc).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        before = counters["tpu_donation"]["inputs"]
+        opt_step()
+        if i:  # 6 parameters, their exp_avg and exp_avg_sq
+            assert counters["tpu_donation"]["inputs"] - before == 18
+    _close(_state(model, opt), _state(ref_model, ref_opt))

@@ -60,26 +60,41 @@ def _read_inputs(ts: list[torch.Tensor], donate: tuple[int, ...] = ()) -> tuple[
     """The device arrays of tpu tensor inputs (the per-call path: no checks here), and a bitmask over `donate`
     (positions in `ts` of inputs the program writes back): bit j set when input donate[j]'s array may be donated
     to the program, its storage holding the only reference (DESIGN.md's storage model). One C++ call when every
-    input views its whole array; else one by one, donating nothing. Under DEFER_AND_FUSE a compiled program is its
-    own XLA program: values still pending are computed first."""
-    if not _executor.recording():
-        # The C++ call answers for 64 donation candidates at a time: the later ones first, their arrays dropped
-        # at once (each call's tuple holds a reference that would make every array look shared to the next).
-        more = 0
-        for k in range(64, len(donate), 64):
-            part = _C._whole_arrays(ts, donate[k:k + 64])
-            if part is None:
-                break
-            more |= part[1] << k
-            del part
-        fast = _C._whole_arrays(ts, donate[:64])
-        if fast is not None:
-            return list(fast[0]), fast[1] | more
+    input views its whole array; else one by one, and then only the written-back inputs are asked (they usually
+    are whole: parameters, optimizer state, next to gradients an eager backward left as views), an array reaching
+    the program twice never donated. Under DEFER_AND_FUSE a compiled program is its own XLA program: values still
+    pending are computed first."""
+    if _executor.recording():
+        return [_executor.concrete(_storage.read(t), "compiled_graph") for t in ts], 0
+    mask = _donatable(ts, donate)
+    fast = _C._whole_arrays(ts, donate[:64])
+    if fast is not None:
+        return list(fast[0]), fast[1] | mask
+    mask = _donatable([ts[i] for i in donate], tuple(range(len(donate))), start=0) if donate else 0
     read = _storage.read
     arrays = [read(t) for t in ts]
-    if _executor.recording():
-        arrays = [_executor.concrete(a, "compiled_graph") for a in arrays]
-    return arrays, 0
+    if mask:
+        seen: dict[int, int] = {}
+        for a in arrays:
+            seen[id(a)] = seen.get(id(a), 0) + 1
+        for j, i in enumerate(donate):
+            if mask >> j & 1 and seen[id(arrays[i])] > 1:
+                mask &= ~(1 << j)
+    return arrays, mask
+
+
+def _donatable(ts: list[torch.Tensor], donate: tuple[int, ...], start: int = 64) -> int:
+    """The donation bits of donate[start:] (`_C._whole_arrays` answers for 64 candidates per call; each call's
+    tuple is dropped before the next, as it holds a reference that would make every array look shared); 0 when
+    some tensor does not view its whole array."""
+    mask = 0
+    for k in range(start, len(donate), 64):
+        part = _C._whole_arrays(ts, donate[k:k + 64])
+        if part is None:
+            return 0
+        mask |= part[1] << k
+        del part
+    return mask
 
 
 def _read_input(t: torch.Tensor, index: int) -> Any:
