@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import threading
 import warnings
 from typing import Any, Callable, Iterator, Sequence
 
@@ -159,10 +160,42 @@ def serializable(build: Callable[..., Callable[[list], Any]], args: Callable[[],
     return SerializableAOTDispatchCompiler(StoredGraph, compile_graph)
 
 
+_tls = threading.local()  # .on: this thread is computing a key for the tpu backend (inside `caching`)
+_installed: list[Any] = []
+
+
+def _skip_inductor_codegen_registration() -> None:
+    """PyTorch's cache key (FxGraphHashDetails) calls Inductor's `init_backend_registration` to hash the custom
+    passes of Inductor's device code generators; that imports all of them (C++, Triton, CUTLASS, Pallas... about
+    3 s here, most of a warm first step). No Inductor code generator ever runs for the tpu backend, and torch_tpu's
+    own salt is in the key, so for the tpu backend's lookups (this thread, inside `caching`) the registration is
+    skipped: the key then omits passes registered by nobody. Everywhere else (Inductor's own compiles, other
+    threads) the original runs. In a process where Inductor registered its backends first the key differs: a miss,
+    never a wrong hit."""
+    import torch._inductor.codecache as codecache
+
+    if _installed:
+        return
+    original = codecache.init_backend_registration
+
+    def init_backend_registration() -> None:
+        if not getattr(_tls, "on", False):
+            original()
+
+    _installed.append(original)
+    codecache.init_backend_registration = init_backend_registration
+
+
 @contextlib.contextmanager
 def caching(options: Any) -> Iterator[None]:
     """The configuration under which AOTAutograd looks the graph up and stores it (bundled entries, the backward
     compiled with the forward so the entry holds both, torch_tpu's salt in the key)."""
-    with torch._functorch.config.patch(bundled_autograd_cache=True, force_non_lazy_backward_lowering=True), \
-            torch._inductor.config.patch(post_grad_custom_post_pass=_Salt(_salt(options))):
-        yield
+    _skip_inductor_codegen_registration()
+    before = getattr(_tls, "on", False)
+    _tls.on = True
+    try:
+        with torch._functorch.config.patch(bundled_autograd_cache=True, force_non_lazy_backward_lowering=True), \
+                torch._inductor.config.patch(post_grad_custom_post_pass=_Salt(_salt(options))):
+            yield
+    finally:
+        _tls.on = before

@@ -352,7 +352,8 @@ s = torch.tpu.compile_cache.stats()
 print("RESULT " + json.dumps({"out": out.detach().cpu().tolist(),
                              "grads": [p.grad.cpu().tolist() for p in model.parameters()],
                              "aot": dict(counters["aot_autograd"]), "graphs": counters["tpu"]["graphs"],
-                             "misses": s.misses, "writes": s.writes}))
+                             "misses": s.misses, "writes": s.writes,
+                             "inductor_codegen": "torch._inductor.select_algorithm" in sys.modules}))
 """
 
 
@@ -392,6 +393,22 @@ def test_compiled_model_warm_start_loads_its_graphs(tmp_path) -> None:
     assert second["misses"] == 0 and second["writes"] == 0
     assert second["out"] == first["out"] and second["grads"] == first["grads"]
     assert "CompileCacheWarning" not in err
+    # The cache key of a tpu graph does not import Inductor's code generators (seconds of a warm start)
+    assert not second["inductor_codegen"]
+
+
+def test_inductor_codegen_registration_still_runs_outside_the_tpu_backend() -> None:
+    import torch._inductor.codecache as codecache
+    from torch._inductor.codegen.common import get_scheduling_for_device
+
+    from torch_tpu.compile_cache import aot
+
+    before = get_scheduling_for_device("cpu")  # None unless Inductor registered its backends in this process
+    with aot.caching(None):  # the tpu backend's key computation: skipped
+        codecache.init_backend_registration()
+        assert get_scheduling_for_device("cpu") is before
+    codecache.init_backend_registration()  # anyone else (Inductor's own compiles): PyTorch's registration
+    assert get_scheduling_for_device("cpu") is not None
 
 
 def test_compiled_model_damaged_entry_is_compiled_again(tmp_path) -> None:

@@ -221,3 +221,74 @@ def test_warm_start_from_the_persistent_cache_gives_the_same_values(tmp_path) ->
     (cold, cold_hits, cold_misses), (warm, warm_hits, warm_misses) = runs
     assert warm == cold
     assert int(cold_misses) > 0 and int(warm_hits) > 0 and int(warm_misses) == 0
+
+
+def test_cpu_inputs_updated_and_returned_from_the_host_part() -> None:
+    # Two CPU counters updated from CPU values alone (the host part, one generated function, written back by one
+    # foreach copy), the new value returned, and read by the device part.
+    def fn(x: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = c + 1
+        c.copy_(n)
+        d.copy_(d * 2 + n)
+        return x * n.to(x.device), n
+
+    compiled = torch.compile(fn, backend="tpu")
+    x = torch.arange(4.0)
+    c, d = torch.tensor(0.0), torch.tensor(1.0)
+    ct, dt = torch.tensor(0.0), torch.tensor(1.0)
+    for _ in range(3):
+        want, want_n = fn(x, c, d)
+        got, got_n = compiled(x.tpu(), ct, dt)
+        torch.testing.assert_close(got.cpu(), want)
+        assert got_n.device.type == "cpu" and got_n.item() == want_n.item()
+        assert (ct.item(), dt.item()) == (c.item(), d.item())
+
+
+def test_more_than_64_written_back_inputs_are_all_donated() -> None:
+    # 13 Linear layers: 26 parameters, 78 tensors the optimizer program writes back (past one 64-bit mask).
+    def build(device: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(13)]).to(device)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train_fn(model: nn.Module, opt: torch.optim.Optimizer):
+        def step(x: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(x).square().sum()
+            loss.backward()
+            opt.step()
+            return loss
+        return step
+
+    ref_model, ref_opt = build("cpu")
+    ref_step = train_fn(ref_model, ref_opt)
+    model, opt = build("tpu")
+    step = torch.compile(train_fn(model, opt), backend="tpu")
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    for i in range(3):
+        before = counters["tpu_donation"]["inputs"]
+        torch.testing.assert_close(step(x.tpu()).cpu(), ref_step(x), rtol=1e-5, atol=1e-5)
+        if i:  # steady steps: every parameter, exp_avg and exp_avg_sq handed to the program
+            assert counters["tpu_donation"]["inputs"] - before == 78
+    _close(_state(model, opt), _state(ref_model, ref_opt))
+
+
+def test_compiled_optimizer_step_after_an_eager_backward_donates_its_state() -> None:
+    # The eager backward leaves some gradients as views of other arrays (not whole arrays): the written-back
+    # parameters and state are still donated, and the values match CPU.
+    ref_model, ref_opt = _mlp("cpu")
+    model, opt = _mlp("tpu")
+    opt_step = torch.compile(opt.step, backend="tpu")
+    x, y = _data("tpu")
+    xc, yc = _data("cpu")
+    for i in range(3):
+        ref_opt.zero_grad()
+        F.cross_entropy(ref_model(xc), yc).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        before = counters["tpu_donation"]["inputs"]
+        opt_step()
+        if i:  # 6 parameters, their exp_avg and exp_avg_sq
+            assert counters["tpu_donation"]["inputs"] - before == 18
+    _close(_state(model, opt), _state(ref_model, ref_opt))

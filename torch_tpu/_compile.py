@@ -63,17 +63,41 @@ def _read_inputs(ts: list[torch.Tensor], donate: tuple[int, ...] = ()) -> tuple[
     """The device arrays of tpu tensor inputs (the per-call path: no checks here), and a bitmask over `donate`
     (positions in `ts` of inputs the program writes back): bit j set when input donate[j]'s array may be donated
     to the program, its storage holding the only reference (DESIGN.md's storage model). One C++ call when every
-    input views its whole array; else one by one, donating nothing. Under DEFER_AND_FUSE a compiled program is its
-    own XLA program: values still pending are computed first."""
-    if not _executor.recording():
-        fast = _C._whole_arrays(ts, donate)
-        if fast is not None:
-            return list(fast[0]), fast[1]
+    input views its whole array; else one by one, and then only the written-back inputs are asked (they usually
+    are whole: parameters, optimizer state, next to gradients an eager backward left as views), an array reaching
+    the program twice never donated. Under DEFER_AND_FUSE a compiled program is its own XLA program: values still
+    pending are computed first."""
+    if _executor.recording():
+        return [_executor.concrete(_storage.read(t), "compiled_graph") for t in ts], 0
+    mask = _donatable(ts, donate)
+    fast = _C._whole_arrays(ts, donate[:64])
+    if fast is not None:
+        return list(fast[0]), fast[1] | mask
+    mask = _donatable([ts[i] for i in donate], tuple(range(len(donate))), start=0) if donate else 0
     read = _storage.read
     arrays = [read(t) for t in ts]
-    if _executor.recording():
-        arrays = [_executor.concrete(a, "compiled_graph") for a in arrays]
-    return arrays, 0
+    if mask:
+        seen: dict[int, int] = {}
+        for a in arrays:
+            seen[id(a)] = seen.get(id(a), 0) + 1
+        for j, i in enumerate(donate):
+            if mask >> j & 1 and seen[id(arrays[i])] > 1:
+                mask &= ~(1 << j)
+    return arrays, mask
+
+
+def _donatable(ts: list[torch.Tensor], donate: tuple[int, ...], start: int = 64) -> int:
+    """The donation bits of donate[start:] (`_C._whole_arrays` answers for 64 candidates per call; each call's
+    tuple is dropped before the next, as it holds a reference that would make every array look shared); 0 when
+    some tensor does not view its whole array."""
+    mask = 0
+    for k in range(start, len(donate), 64):
+        part = _C._whole_arrays(ts, donate[k:k + 64])
+        if part is None:
+            return 0
+        mask |= part[1] << k
+        del part
+    return mask
 
 
 def _read_input(t: torch.Tensor, index: int) -> Any:
@@ -113,9 +137,9 @@ def _cpu_output(value: Any) -> torch.Tensor:
     return _runtime.download(value)
 
 
-def _write_host_mutation(t: torch.Tensor, value: torch.Tensor) -> None:
-    """A CPU input updated from values computed on the host."""
-    t.copy_(value)
+def _write_host_mutations(ts: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """CPU inputs updated from values computed on the host (an optimizer's step counts): one foreach copy."""
+    torch._foreach_copy_(ts, values)
 
 
 # =====================================================================================================================
@@ -652,7 +676,7 @@ class _GraphProgram:
             dst = n.args[0].meta.get("val")
             if isinstance(dst, torch.Tensor) and not _symbolic(dst):
                 donate.append(pos_in[self.placeholder_pos[n.args[0]]])
-        self.donate = tuple(dict.fromkeys(donate))[:64]
+        self.donate = tuple(dict.fromkeys(donate))
         # Functional collectives: the program is one SPMD program over the group's mesh (_spmd_program).
         self.spmd = _collective_mesh(self.nodes, name)
         if self.spmd is not None:
@@ -780,24 +804,31 @@ class _GraphProgram:
             raise err from e
         return _match_none(out, node.meta.get("val"))
 
-    def _run_host(self, args: list) -> dict[torch.fx.Node, Any]:
-        env: dict[torch.fx.Node, Any] = {}
+    def _host_part(self) -> tuple[Callable[..., tuple], list[int], dict[torch.fx.Node, int]]:
+        """The host nodes as one generated Python function (torch.fx code, no interpreter per node): it takes the
+        CPU inputs (positions returned) and returns the host values the call needs (index of each node)."""
+        graph = torch.fx.Graph()
+        env: dict[torch.fx.Node, torch.fx.Node] = {}
         for node in self.host:
-            if node.op == "placeholder":
-                env[node] = args[self.placeholder_pos[node]]
-            else:
-                a = torch.fx.node.map_arg(node.args, env.__getitem__)
-                kw = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
-                env[node] = node.target(*a, **kw)
-        return env
+            env[node] = graph.node_copy(node, env.__getitem__)
+        wanted = list(dict.fromkeys([*self.host_feeds, *(v for _, v in self.host_mutations),
+                                     *(s[1] for s in self.out_spec if s[0] == "host")]))
+        graph.output(tuple(env[n] for n in wanted))
+        module = torch.fx.GraphModule(self.gm, graph)
+        return module.forward, [self.placeholder_pos[n] for n in self.host if n.op == "placeholder"], \
+            {n: k for k, n in enumerate(wanted)}
 
     # -- the call --
     def boxed(self) -> Callable[[list], Any]:
         tensor_idx, static_idx, mutated = self.tensor_idx, self.static_idx, self.mutated
         constants, index, out_spec = self.constants, self.index, self.out_spec
         out_tuple, out_values = self.out_tuple, self.out_values
-        host, host_feeds, host_mutations = self.host, self.host_feeds, self.host_mutations
-        feeds_packed = self.feeds_packed
+        host, feeds_packed = self.host, self.feeds_packed
+        # The host part (CPU values from CPU inputs) as one generated function; what it returns, by position.
+        host_fn, host_args, at = self._host_part() if host else (None, [], {})
+        feeds = [at[n] for n in self.host_feeds]
+        host_dst = [i for i, _ in self.host_mutations]
+        host_new = [at[v] for _, v in self.host_mutations]
 
         donate, programs, spmd = self.donate, self._programs, self.spmd
         # Mutated tpu inputs written back by one C++ call; the arrays wrapped as new tensors by another.
@@ -806,11 +837,11 @@ class _GraphProgram:
         def call(args: list) -> Any:
             statics = tuple(args[i] for i in static_idx)
             arrays, mask = _read_inputs([args[i] for i in tensor_idx], donate)
-            henv = self._run_host(args) if host else None
+            hv = host_fn(*[args[i] for i in host_args]) if host else ()
             if feeds_packed:
-                arrays.append(np.array(torch.stack([henv[n] for n in host_feeds]).numpy(), copy=True))
-            elif host_feeds:
-                arrays += [_read_input(henv[n], index) for n in host_feeds]
+                arrays.append(np.array(torch.stack([hv[k] for k in feeds]).numpy(), copy=True))
+            elif feeds:
+                arrays += [_read_input(hv[k], index) for k in feeds]
             if self.random:
                 arrays += _rng.program_draw(index)
             if self.dump_dir is not None and statics not in self.dumped:
@@ -831,8 +862,8 @@ class _GraphProgram:
             del arrays  # the donated arrays are gone
             if checks:
                 _checks.register(checks)
-            for i, node in host_mutations:
-                _write_host_mutation(args[i], henv[node])
+            if host_dst:
+                _write_host_mutations([args[i] for i in host_dst], [hv[k] for k in host_new])
             if mutated:
                 _write_mutations([args[i] for i in mutated], muts)
             tensors = dict(zip(wrapped, _wrap_outputs([outs[k] for k in wrapped], index))) if wrapped else None
@@ -850,7 +881,7 @@ class _GraphProgram:
                 elif kind == "input":
                     results.append(args[spec[1]])
                 elif kind == "host":
-                    results.append(henv[spec[1]])
+                    results.append(hv[at[spec[1]]])
                 elif kind == "value":
                     results.append(out_values[statics][spec[1]])
                 else:
