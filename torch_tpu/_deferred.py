@@ -161,13 +161,14 @@ class DeferredError(RuntimeError):
 class Pending:
     """A value a pending graph will compute. Storages hold it like a device array (shape, dtype)."""
 
-    __slots__ = ("graph", "node", "out", "shape", "dtype", "weak_type", "value", "error", "__weakref__")
+    __slots__ = ("graph", "node", "out", "shape", "dtype", "weak_type", "meta", "value", "error", "__weakref__")
 
     def __init__(self, graph: "_Graph", node: int, out: int, meta: tuple) -> None:
         self.graph = graph
         self.node = node
         self.out = out
         self.shape, self.dtype, self.weak_type = meta  # the output's (shape, dtype, weak_type)
+        self.meta = meta  # the same tuple: a recorded argument's signature
         self.value = None
         self.error: BaseException | None = None
 
@@ -382,7 +383,7 @@ def _arg(g: _Graph, a: Any) -> tuple[Any, Any]:
             return _input(g, a.value)
         if a.graph is not g:
             raise _Transfer(a)  # another thread's or device's graph: materialise it (outside _lock)
-        return ("n", a.node, a.out), (a.shape, a.dtype, a.weak_type)
+        return ("n", a.node, a.out), a.meta
     if a is None:
         return None, None
     if t in _SCALARS:
@@ -390,11 +391,34 @@ def _arg(g: _Graph, a: Any) -> tuple[Any, Any]:
         g.inputs.append(a)
         return ("i", pos), t
     if t is list or t is tuple:
-        parts = [_arg(g, v) for v in a]
-        return ("l", tuple(p[0] for p in parts)), tuple(p[1] for p in parts)
+        return _arg_list(g, a)
     if hasattr(a, "shape") and hasattr(a, "dtype"):  # a device array (or numpy value)
         return _input(g, a)
     return ("c", a), ("c", a)  # a hashable constant
+
+
+def _arg_list(g: _Graph, a: list | tuple) -> tuple[Any, Any]:
+    """_arg of a list (a foreach op's: per element, its arguments), with the common elements inline."""
+    specs = []
+    sigs = []
+    inputs = g.inputs
+    for v in a:
+        t = type(v)
+        if t is Pending and v.value is None and v.graph is g:
+            specs.append(("n", v.node, v.out))
+            sigs.append(v.meta)
+        elif v is None:
+            specs.append(None)
+            sigs.append(None)
+        elif t in _SCALARS:
+            specs.append(("i", len(inputs)))
+            inputs.append(v)
+            sigs.append(t)
+        else:
+            sp, sg = _arg_list(g, v) if t is list or t is tuple else _arg(g, v)
+            specs.append(sp)
+            sigs.append(sg)
+    return ("l", tuple(specs)), tuple(sigs)
 
 
 def _abstract(spec: Any, sig: Any, inputs: list[Any]) -> Any:
@@ -436,7 +460,7 @@ def _record(index: int, fkey: Any, fn: Callable[..., Any], args: tuple | list) -
             t = type(a)
             if t is Pending and a.value is None and a.graph is g:  # the common case: an earlier result
                 specs_l.append(("n", a.node, a.out))
-                sig_l.append((a.shape, a.dtype, a.weak_type))
+                sig_l.append(a.meta)
             else:
                 sp, sg = _arg(g, a)
                 specs_l.append(sp)
