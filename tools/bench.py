@@ -685,7 +685,7 @@ class _HostMLP:
         return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-HOST_ROWS = ("eager", "mlp", "gpt", "compiled", "sync", "cold", "hf")
+HOST_ROWS = ("eager", "mlp", "gpt", "compiled", "sync", "cold", "hf", "nosync")
 _HOST_TABLE: list[tuple[str, str, str, bool | None]] = []
 
 
@@ -823,6 +823,49 @@ def _host_sync(quick: bool) -> None:
                   f"fused {r['fuse'] / 50:.2f} us  never {r['never'] / 50:.2f} us", r["fuse"] / r["never"], 1.0)
         _host_info(f"e. {what}: every op recorded / never", f"recorded {r['recorded'] / 50:.2f} us",
                    f"{r['recorded'] / r['never']:.2f}x")
+
+
+def _host_nosync(quick: bool) -> None:
+    """Training steps that never read a value (DEFER_AND_FUSE: one graph grows until its size limit), the MLP step
+    of row b, 120 steps then one synchronize, twice, on fresh models: graphs cut where the step structure repeats
+    (the default) next to graphs cut at the size limit only (before: every cut a new structure to compile), with
+    the programs each compiled or loaded and the time per step of the first and of the second 120 steps."""
+    from torch_tpu import _deferred
+
+    steps = 12 if quick else 120
+    results = {}
+    for kind in ("cut at the period", "size limit only"):
+        model, batches, loss_fn = _HostMLP.build(0)
+        model = model.to("tpu")
+        opt = _HostMLP.optimizer(model)
+        x, y = (t.to("tpu") for t in next(batches))
+        period = _deferred._period
+        if kind == "size limit only":
+            _deferred._period = lambda entries: 0
+        try:
+            with torch.tpu.set_eager_mode("DEFER_AND_FUSE"):
+                figures = []
+                for _ in range(2):
+                    m0 = torch.tpu.metrics()
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        opt.zero_grad()
+                        loss_fn(model(x), y).backward()
+                        opt.step()
+                    torch.tpu.synchronize()
+                    m1 = torch.tpu.metrics()
+                    figures.append(((time.perf_counter() - t0) / steps * 1e3,
+                                    m1.fused_graph_compiles - m0.fused_graph_compiles
+                                    + m1.persistent_cache_hits - m0.persistent_cache_hits))
+        finally:
+            _deferred._period = period
+        results[kind] = figures
+        (a, ca), (b, cb) = figures
+        _host_info(f"g. {steps} steps without a sync, {kind}",
+                   f"first {a:.1f} ms/step ({ca} programs)  again {b:.1f} ms/step ({cb} programs)")
+    first = {k: v[0][0] for k, v in results.items()}
+    _host_info("g. first no-sync steps: cut at the period / size limit only", "",
+               f"{first['cut at the period'] / first['size limit only']:.2f}x")
 
 
 _HOST_FIRST_STEP = """
@@ -983,7 +1026,8 @@ def bench_host(rows: list[str] | None = None, quick: bool = False) -> None:
             "gpt": lambda: _host_training("gpt", quick, fused=True, compiled=False),
             "compiled": lambda: (_host_training("host_mlp", quick, fused=False, compiled=True),
                                  _host_training("gpt", quick, fused=False, compiled=True)),
-            "sync": lambda: _host_sync(quick), "cold": lambda: _host_cold(quick), "hf": lambda: _host_hf(quick)}
+            "sync": lambda: _host_sync(quick), "cold": lambda: _host_cold(quick), "hf": lambda: _host_hf(quick),
+            "nosync": lambda: _host_nosync(quick)}
     for row in rows:
         t0 = time.perf_counter()
         try:

@@ -1,0 +1,136 @@
+"""The host side of DEFER_AND_FUSE programs (torch_tpu/_deferred.py): a fused program takes its graph's Python
+scalars packed into one host array per scalar type (`_Layout`), and a graph that grows without a synchronization
+is cut where its structure repeats, so that the cut graphs reuse one program instead of compiling one per length
+(`_period`). Values must be those of DEFER_NEVER and CPU PyTorch (the oracles), and dtypes those of unpacked
+Python scalars (weak types)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_tpu import _deferred
+
+FUSE = torch.tpu.EagerMode.DEFER_AND_FUSE
+
+
+@pytest.fixture(autouse=True)
+def _restore_mode():
+    yield
+    torch.tpu.eager_mode = torch.tpu.EagerMode.DEFER_NEVER
+
+
+def _scalar_ops(f: torch.Tensor, h: torch.Tensor, i8: torch.Tensor, i64: torch.Tensor, s: float, k: int,
+                flag: bool) -> list[torch.Tensor]:
+    """Python scalars of every type against tensors of several dtypes: promotion must treat them as weak."""
+    return [f * s + k, h * s, h + k, i8 + k, i8 * s, i64 + (k << 40), torch.where(f > 0, f, s),
+            f.masked_fill(f < 0, k), torch.full_like(f, flag), (f * 1j + s).abs(), torch.clamp(i8, -k, k),
+            f.pow(k), (f + s).sum()]
+
+
+def _inputs() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    f = torch.randn(4, 5, generator=g)
+    return [f, f.half(), torch.randint(-100, 100, (4, 5), generator=g, dtype=torch.int8),
+            torch.randint(-2**40, 2**40, (4, 5), generator=g)]
+
+
+@pytest.mark.parametrize("scalars", [(0.5, 3, True), (-1.25, 7, False)], ids=["first", "new_values"])
+def test_packed_scalars_keep_dtypes_and_values(scalars) -> None:
+    cpu_in = _inputs()
+    tpu_in = [t.tpu() for t in cpu_in]
+    cpu = _scalar_ops(*cpu_in, *scalars)
+    never = [t.cpu() for t in _scalar_ops(*tpu_in, *scalars)]
+    with torch.tpu.set_eager_mode(FUSE):
+        fused = [t.cpu() for t in _scalar_ops(*tpu_in, *scalars)]
+    for a, b, c in zip(fused, cpu, never):
+        assert a.dtype == b.dtype == c.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-3)
+        torch.testing.assert_close(a, c, rtol=0, atol=0)
+
+
+def test_packed_scalars_are_inputs_not_constants() -> None:
+    """New scalar values reuse the program (no compile) and are not baked in."""
+    x = torch.randn(8, device="tpu")
+    with torch.tpu.set_eager_mode(FUSE):
+        for s in (0.5, 1.5):  # the second call may replay the first's trace: both compile at most once
+            (x * s + 2).relu().cpu()
+        before = torch.tpu.metrics().fused_graph_compiles
+        outs = [(x * s + k).relu().cpu() for s, k in ((0.25, 1), (-3.0, 5), (2.0, -7))]
+        assert torch.tpu.metrics().fused_graph_compiles == before
+    for out, (s, k) in zip(outs, ((0.25, 1), (-3.0, 5), (2.0, -7))):
+        torch.testing.assert_close(out, (x.cpu() * s + k).relu())  # (XLA may fuse it into an FMA)
+
+
+
+# ---- a graph that grows without a synchronization ----
+
+def _model_and_steps(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.GELU(), torch.nn.LayerNorm(16),
+                                torch.nn.Linear(16, 5)).tpu()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(8, 12, generator=g).tpu(), torch.randint(0, 5, (8,), generator=g).tpu()
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return model, step
+
+
+def _train_without_sync(mode, steps: int) -> tuple[torch.nn.Module, list[torch.Tensor], dict]:
+    model, step = _model_and_steps()
+    with torch.tpu.set_eager_mode(mode):
+        step()  # the first step creates the optimizer state: a structure of its own
+        torch.tpu.synchronize()
+        before = torch.tpu.metrics()
+        losses = [step() for _ in range(steps)]  # nothing reads a value: one graph grows until its size limit
+        after = torch.tpu.metrics()
+        values = [t.cpu() for t in losses]
+    counts = {"compiles": after.fused_graph_compiles - before.fused_graph_compiles,
+              "cuts": after.flushes.get("size_limit", 0) - before.flushes.get("size_limit", 0),
+              "replays": after.fused_replays - before.fused_replays}
+    return model, values, counts
+
+
+def test_a_graph_growing_without_sync_is_cut_where_it_repeats(monkeypatch) -> None:
+    """40 steps without a read, graphs capped at 100 ops: cut at the size limit alone, each graph started at
+    another point of the step (about 8 structures to compile here); cut at a multiple of the step's period,
+    the graphs after the first have one structure: compiled once, replayed from then on."""
+    monkeypatch.setattr(_deferred, "_MAX_OPS", 100)
+    never, never_losses, _ = _train_without_sync(torch.tpu.EagerMode.DEFER_NEVER, 40)
+    fused, fused_losses, counts = _train_without_sync(FUSE, 40)
+    assert counts["cuts"] >= 10, counts
+    assert counts["compiles"] <= 3, counts  # the first graph, the first cut at the period, nothing more
+    assert counts["replays"] >= counts["cuts"] - 3, counts
+    torch.testing.assert_close(fused_losses, never_losses, rtol=1e-5, atol=1e-5)
+    for (n, p), (_, q) in zip(never.state_dict().items(), fused.state_dict().items()):
+        torch.testing.assert_close(q.cpu(), p.cpu(), rtol=1e-4, atol=1e-4, msg=lambda m: f"{n}: {m}")
+
+
+def test_the_cut_follows_the_stream_after_a_sync(monkeypatch) -> None:
+    """After a synchronization a graph is cut where a value is needed again; a stream of another structure then
+    finds its own period (right values, programs reused) and an aperiodic one runs at the size limit."""
+    monkeypatch.setattr(_deferred, "_MAX_OPS", 60)
+    _, step = _model_and_steps(1)
+    x = torch.randn(6, device="tpu")
+    xs = x.cpu()
+    with torch.tpu.set_eager_mode(FUSE):
+        for _ in range(12):
+            step()
+        x.cpu()  # a read: the graph runs here, not at the cut
+        for i in range(130):  # period 3 (a new structure), 390 ops, no sync
+            x = (x * 0.5 + i).sin()
+            xs = (xs * 0.5 + i).sin()
+        torch.testing.assert_close(x.cpu(), xs)
+        before = torch.tpu.metrics()
+        for i in range(150):  # aperiodic: shapes grow
+            x = torch.cat([x, x[:1] * i])
+            xs = torch.cat([xs, xs[:1] * i])
+        assert torch.tpu.metrics().flushes.get("size_limit", 0) - before.flushes.get("size_limit", 0) >= 4
+        torch.testing.assert_close(x.cpu(), xs)
