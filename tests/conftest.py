@@ -52,6 +52,20 @@ def tpu() -> torch.device:
     return torch.device("tpu:0")
 
 
+def load_example(name: str):
+    """examples/<name>.py as a module (build, optimizer, ...), registered in sys.modules under example_<name>
+    (Dynamo looks classes' modules up by name), with examples/ on sys.path for its helpers (_train)."""
+    import importlib.util
+
+    if str(REPO / "examples") not in sys.path:
+        sys.path.insert(0, str(REPO / "examples"))
+    spec = importlib.util.spec_from_file_location(f"example_{name}", REPO / "examples" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture
 def fresh_dynamo():
     """Each compile test starts with Dynamo's caches and counters empty and leaves none behind (a test module

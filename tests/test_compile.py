@@ -5,7 +5,6 @@ errors, and CPU graphs still going to Inductor."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import sys
 
 import pytest
@@ -15,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from conftest import REPO, run_python
+from conftest import REPO, load_example, run_python
 
 sys.path.insert(0, str(REPO / "examples"))
 
@@ -23,12 +22,6 @@ sys.path.insert(0, str(REPO / "examples"))
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
-def _example(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", REPO / "examples" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # Dynamo looks classes' modules up by name
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _train(mod, device: str, steps: int, compiled: bool, after_warmup: dict | None = None) -> list[float]:
@@ -55,7 +48,7 @@ STEPS = 20
 
 @pytest.mark.parametrize("name", ["mlp", "gpt", "resnet", "lstm"])
 def test_compiled_example_trains_like_eager_and_cpu(name: str) -> None:
-    mod = _example(name)
+    mod = load_example(name)
     warm: dict = {}
     with torch._dynamo.config.patch(allow_rnn=True):  # Dynamo graph-breaks on nn.LSTM unless asked
         compiled = _train(mod, "tpu", STEPS, compiled=True, after_warmup=warm)

@@ -4,7 +4,6 @@ happened, and a call site that keeps recompiling for new shapes is warned about 
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import warnings
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import REPO, run_python
+from conftest import load_example, run_python
 
 EagerMode = torch.tpu.EagerMode
 FUSE = EagerMode.DEFER_AND_FUSE
@@ -220,17 +219,11 @@ def test_error_surfaces_at_the_op() -> None:
         assert (a + 1).cpu().tolist() == [2.0] * 3  # the failed op left nothing behind
 
 
-def _example(name: str):
-    sys.path.insert(0, str(REPO / "examples"))
-    spec = importlib.util.spec_from_file_location(f"example_{name}", REPO / "examples" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt", "resnet", "lstm"])
 def test_examples_train_the_same_fused(name: str) -> None:
-    mod = _example(name)
+    mod = load_example(name)
     from _train import train
 
     def run(mode: str) -> tuple[list[float], nn.Module]:

@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from conftest import REPO
+from conftest import REPO, load_example
 
 from torch_tpu._internal.pallas import tpu_torch_pallas as ttp
 
@@ -133,12 +133,6 @@ def test_mosaic_module_is_refused_on_xla_cpu() -> None:
 
 # ---- default torch.compile on tpu tensors ----
 
-def _example(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", REPO / "examples" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # Dynamo looks classes' modules up by name
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _train(mod, steps: int, backend: str | None) -> list[float]:
@@ -156,7 +150,7 @@ def _train(mod, steps: int, backend: str | None) -> list[float]:
 
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 def test_default_compile_trains_examples_like_eager(name: str) -> None:
-    mod = _example(name)
+    mod = load_example(name)
     default = _train(mod, 3, "default")
     assert counters["tpu"]["inductor_to_tpu_backend"] == 1  # one Dynamo graph, compiled by the tpu backend
     assert counters["tpu"]["xla_programs"] == 2  # its forward and backward aten graphs

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import importlib.util
 import sys
 
 import pytest
@@ -13,16 +12,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import REPO, check_fused_step_like_cpu, rss_bytes
+from conftest import REPO, check_fused_step_like_cpu, load_example, rss_bytes
 
 sys.path.insert(0, str(REPO / "examples"))
 
 
-def _example(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", REPO / "examples" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _run(mod, device: str, steps: int) -> tuple[list[float], nn.Module]:
@@ -41,7 +35,7 @@ TOL = {"mlp": 1e-5, "gpt": 1e-4, "resnet": 1e-4, "lstm": 1e-5}
 
 @pytest.mark.parametrize("name", ["mlp", "gpt", "resnet", "lstm"])
 def test_example_trains_like_cpu(name: str) -> None:
-    mod = _example(name)
+    mod = load_example(name)
     cpu_losses, cpu_model = _run(mod, "cpu", 20)
     tpu_losses, tpu_model = _run(mod, "tpu", 20)
     tol = TOL[name]
@@ -68,7 +62,7 @@ def test_example_trains_like_cpu(name: str) -> None:
 def test_example_trains_like_cpu_under_bfloat16_autocast(name: str) -> None:
     """The example models' steps under torch.autocast(bfloat16) on each device: tpu's policy casts the same ops as
     CPU's, so the losses agree to bfloat16 precision (a wrong cast list or a float32 fallback would not)."""
-    mod = _example(name)
+    mod = load_example(name)
     losses = {}
     for device in ("cpu", "tpu"):
         model, batches, loss_fn = mod.build(0)
@@ -198,7 +192,7 @@ def test_fused_adam_refuses_mixed_devices() -> None:
 
 
 def test_checkpoint_resume_matches_uninterrupted(tmp_path) -> None:
-    mod = _example("mlp")
+    mod = load_example("mlp")
     from _train import train
 
     def fresh():
@@ -229,7 +223,7 @@ def test_checkpoint_resume_matches_uninterrupted(tmp_path) -> None:
 
 def _fixed_batch_step(name: str):
     """One training step of an example model on tpu, on one fixed batch."""
-    mod = _example(name)
+    mod = load_example(name)
     model, batches, loss_fn = mod.build(0)
     model = model.tpu()
     opt = mod.optimizer(model)

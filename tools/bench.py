@@ -39,6 +39,25 @@ def side_by_side(fns: dict[str, Callable[[], object]], calls: int = 5000, trials
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
+def steps_per_second(steps: dict[str, Callable[[], object]], n: int, sync: Callable[[], None],
+                     trials: int = 5, warm: int = 5) -> dict[str, float]:
+    """Median steps per second of each training step, waited for (`sync`) after every n steps, interleaved trials
+    after `warm` steps each."""
+    for fn in steps.values():
+        for _ in range(warm):
+            fn()
+    sync()
+    samples: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(trials):
+        for k, fn in steps.items():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync()
+            samples[k].append(n / (time.perf_counter() - t0))
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
 def bench_eager_overhead() -> None:
     """Eager dispatch overhead of `x + y` on 2x2 tpu tensors vs a bare cached jax.jit call (target < 2x)."""
     import jax
@@ -591,20 +610,7 @@ def bench_compile() -> None:
             torch.tpu.synchronize()
             jax.block_until_ready(carry)
 
-        for fn in steps.values():
-            for _ in range(5):
-                fn()
-        sync()
-        n = 30 if name == "mlp" else 20
-        samples: dict[str, list[float]] = {k: [] for k in steps}
-        for _ in range(5):
-            for k, fn in steps.items():
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    fn()
-                sync()
-                samples[k].append(n / (time.perf_counter() - t0))
-        r = {k: statistics.median(v) for k, v in samples.items()}
+        r = steps_per_second(steps, 30 if name == "mlp" else 20, sync)
         print(f"  {name:<4} compiled {r['compiled']:7.1f} steps/s  eager {r['eager']:7.1f} steps/s"
               f"  jax.jit {r['jax']:7.1f} steps/s  -> compiled/eager {r['compiled'] / r['eager']:.2f}x,"
               f" jax/compiled {r['jax'] / r['compiled']:.2f}x (target <= 1.15x)")
@@ -1083,6 +1089,7 @@ def bench_streams() -> None:
     print(f"  Event.record() with {len(keep)} live arrays {r['Event.record()']:8.1f} us, a 2x2 add "
           f"{r['x + y']:6.1f} us -> {r['Event.record()'] / r['x + y']:.1f}x")
 
+
 def bench_profiler(calls: int = 300, trials: int = 5) -> None:
     """Host cost of profiling an eager step (4 ops on 64x64): the same step with no profiler, under torch.profiler
     with ProfilerActivity.CPU, with CPU + PrivateUse1 (which also runs XLA's tracer for the tpu device rows), and
@@ -1227,23 +1234,11 @@ def bench_inductor_default() -> None:
                 opt.step()
 
             steps[mode] = step
-        for fn in steps.values():
-            for _ in range(5):
-                fn()
-        torch.tpu.synchronize()
-        n = 30 if name == "mlp" else 20
-        samples: dict[str, list[float]] = {k: [] for k in steps}
-        for _ in range(5):
-            for k, fn in steps.items():
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    fn()
-                torch.tpu.synchronize()
-                samples[k].append(n / (time.perf_counter() - t0))
-        r = {k: statistics.median(v) for k, v in samples.items()}
+        r = steps_per_second(steps, 30 if name == "mlp" else 20, torch.tpu.synchronize)
         print(f"  {name:<4} default: first step {first['default']:5.2f} s, {r['default']:7.1f} steps/s   "
               f"backend=tpu: first step {first['tpu']:5.2f} s, {r['tpu']:7.1f} steps/s   -> default/tpu "
               f"{r['default'] / r['tpu']:.2f}x steps/s, {first['default'] / first['tpu']:.2f}x first step")
+
 
 def bench_grouped_mm() -> None:
     """torch._grouped_mm on tpu (the MoE forward, 2d x 3d: 2048 tokens over 8 experts, 256 -> 512, float32) next to
@@ -1312,6 +1307,7 @@ def bench_paged_attention() -> None:
     print(f"  ratio paged_attention / gather + SDPA : {r['paged_attention'] / r['gather + SDPA']:.2f}x")
 
 # ---- functional collectives inside a compiled step (issue 15, item 4) ----
+
 
 def _compiled_collectives_rank() -> None:
     """One rank of bench_compiled_collectives: a compiled matmul+tanh step whose all_reduce is inside the program,
@@ -1384,6 +1380,7 @@ def bench_compiled_collectives(ranks: int = 2) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             print("  compiled_collectives: a rank did not finish within 600 s")
+
 
 def bench_sdpa(L: int = 4096, heads: int = 2, head_dim: int = 64, trials: int = 3) -> None:
     """F.scaled_dot_product_attention at L = S = 4096 (causal, float32, batch 1), forward + backward on tpu: the fused

@@ -137,7 +137,7 @@ def ragged_contraction(lhs: Any, rhs: Any, group_sizes: Any, out_dtype: Any) -> 
     return tgmm_pallas(lhs, rhs, group_sizes, out_dtype, tiling, _select.interpret(chosen))
 
 
-_FLOATS = {jnp.dtype(jnp.float32): "Float32", jnp.dtype(jnp.bfloat16): "BFloat16", jnp.dtype(jnp.float16): "Float16"}
+_FLOATS = ("float32", "bfloat16", "float16")  # names, not jnp dtypes: this module loads at `import torch`, JAX lazily
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -153,7 +153,7 @@ def _dtype_name(dtype: Any) -> str:
 def _validate(a: Any, b: Any, offs: Any, bias: Any, out_dtype: Any) -> None:
     """PyTorch's checks of `_grouped_mm` (its messages), on the static shapes and dtypes."""
     for name, x in (("mat_a", a), ("mat_b", b)):
-        if jnp.dtype(x.dtype) not in _FLOATS:
+        if jnp.dtype(x.dtype).name not in _FLOATS:
             raise RuntimeError(f"Expected {name} to be Float32, BFloat16 or Float16 matrix, got {_dtype_name(x.dtype)}")
     for name, x in (("mat_a", a), ("mat_b", b)):
         if x.ndim not in (2, 3):
