@@ -424,9 +424,8 @@ def _all_reduce_rank() -> None:
     dist.destroy_process_group()
 
 
-def bench_all_reduce(ranks: int = 2) -> None:
-    """all_reduce bus bandwidth of tpu_dist on tpu tensors next to torch's gloo backend on CPU tensors, in the
-    same processes (2 ranks started like torchrun, 1-64 MB float32)."""
+def _run_ranks(flag: str, ranks: int, what: str) -> None:
+    """Runs this file with `flag` as `ranks` processes started like torchrun (rank 0 prints), waiting up to 600 s."""
     import os
     import socket
     import subprocess
@@ -438,15 +437,21 @@ def bench_all_reduce(ranks: int = 2) -> None:
     for r in range(ranks):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TF_CPP_MIN_LOG_LEVEL="2")
-        out = None if r == 0 else subprocess.DEVNULL
-        procs.append(subprocess.Popen([sys.executable, __file__, "--all-reduce-rank"], env=env, stdout=out,
-                                      stderr=subprocess.DEVNULL, cwd="/"))
+        procs.append(subprocess.Popen([sys.executable, __file__, flag], env=env,
+                                      stdout=None if r == 0 else subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      cwd="/"))
     for p in procs:
         try:
             p.wait(timeout=600)
         except subprocess.TimeoutExpired:
             p.kill()
-            print("  all_reduce: a rank did not finish within 600 s")
+            print(f"  {what}: a rank did not finish within 600 s")
+
+
+def bench_all_reduce(ranks: int = 2) -> None:
+    """all_reduce bus bandwidth of tpu_dist on tpu tensors next to torch's gloo backend on CPU tensors, in the
+    same processes (2 ranks started like torchrun, 1-64 MB float32)."""
+    _run_ranks("--all-reduce-rank", ranks, "all_reduce")
 
 
 def _jax_adamw(lr: float, wd: float, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8):
@@ -1360,26 +1365,7 @@ def _compiled_collectives_rank() -> None:
 def bench_compiled_collectives(ranks: int = 2) -> None:
     """A functional all_reduce inside a torch.compile(backend="tpu") step vs the same step with an eager
     all_reduce after it (2 ranks started like torchrun)."""
-    import os
-    import socket
-    import subprocess
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for r in range(ranks):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TF_CPP_MIN_LOG_LEVEL="2")
-        procs.append(subprocess.Popen([sys.executable, __file__, "--compiled-collectives-rank"], env=env,
-                                      stdout=None if r == 0 else subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      cwd="/"))
-    for p in procs:
-        try:
-            p.wait(timeout=600)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            print("  compiled_collectives: a rank did not finish within 600 s")
+    _run_ranks("--compiled-collectives-rank", ranks, "compiled_collectives")
 
 
 def bench_sdpa(L: int = 4096, heads: int = 2, head_dim: int = 64, trials: int = 3) -> None:
