@@ -217,6 +217,22 @@ def test_dropout_in_a_compiled_graph_follows_the_seed() -> None:
     assert model[0].weight.grad is not None
 
 
+def test_random_graph_with_tensor_constants() -> None:
+    """A graph that draws random numbers and holds tensor constants (a `torch.tensor` literal, as Hugging Face's
+    rotary and mask code has): the program's rng seed/offset arguments come before the constants."""
+    x = torch.randn(8, 4, device="tpu")
+
+    def f(x):
+        return F.dropout(x, 0.5, training=True) + torch.tensor([1.0, 2.0, 3.0, 4.0], device=x.device)
+
+    torch.manual_seed(3)
+    out = torch.compile(f, backend="tpu")(x).cpu()
+    drop = out - torch.tensor([1.0, 2.0, 3.0, 4.0])
+    kept = drop != 0
+    assert 0 < kept.sum() < kept.numel()
+    torch.testing.assert_close(drop[kept], (x.cpu() * 2)[kept])
+
+
 def test_graphs_run_on_their_inputs_device() -> None:
     r = run_python(
         "import torch\n"

@@ -723,8 +723,11 @@ class _GraphProgram:
             if not self.random:
                 outs, muts = self._interpret(statics, arrays)
             else:
-                with _rng.trace_random(_rng.key(*arrays[-2:])):
-                    outs, muts = self._interpret(statics, arrays[:-2])
+                # The call passes (inputs, host feeds, rng seed and offset, constants): the draw sits before the
+                # graph's constants, not at the end.
+                at = len(arrays) - len(self.constants) - 2
+                with _rng.trace_random(_rng.key(*arrays[at:at + 2])):
+                    outs, muts = self._interpret(statics, arrays[:at] + arrays[at + 2:])
         return outs, muts, dict(checks)
 
     def _interpret(self, statics: tuple, arrays: tuple) -> tuple[tuple, tuple]:
