@@ -274,15 +274,19 @@ PyObject* py_set_whole(PyObject* /*self*/, PyObject* args) {
 
 // ---- torch.compile programs (torch_tpu/_compile.py): one call over all of a graph's inputs or outputs ----
 
-// _whole_arrays(tensors, donate) -> (arrays tuple, donatable bitmask) or None.
+// _whole_arrays(tensors, donate[, placeholders]) -> (arrays tuple, donatable bitmask) or None.
 // The device arrays of a compiled graph's tpu inputs when every one views its whole array (else None: the caller
 // reads them one by one). Bit j of the mask is set when the input at position donate[j] may be donated: its
 // storage holds the only reference to the array (DESIGN.md's storage model), counted after this tuple took its own
-// (so an array reaching the program twice, or shared by another storage, is never donated).
+// (so an array reaching the program twice, or shared by another storage, is never donated). With `placeholders`
+// true (a recording thread: the foreach kernels under DEFER_AND_FUSE) a storage's placeholder is taken as its
+// array (its recorded shape and dtype are checked the same way); the recording executor decides donation itself,
+// so pass no `donate` positions then.
 PyObject* py_whole_arrays(PyObject* /*self*/, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject *seq, *donate;
-  if (!PyArg_ParseTuple(args, "OO", &seq, &donate)) return nullptr;
+  int placeholders = 0;
+  if (!PyArg_ParseTuple(args, "OO|p", &seq, &donate, &placeholders)) return nullptr;
   if (!PyList_Check(seq) || !PyTuple_Check(donate)) throw py::type_error("_whole_arrays(list, tuple)");
   Py_ssize_t n = PyList_GET_SIZE(seq);
   PyObject* out = PyTuple_New(n);
@@ -301,7 +305,7 @@ PyObject* py_whole_arrays(PyObject* /*self*/, PyObject* args) {
     TpuBuffer* buf = buffer_of(impl->unsafe_storage());
     resolve_placeholder(buf);
     PyObject* arr = buf->array;
-    if (arr == nullptr || reinterpret_cast<PyObject*>(Py_TYPE(arr)) != g_array_type ||
+    if (arr == nullptr || (!placeholders && reinterpret_cast<PyObject*>(Py_TYPE(arr)) != g_array_type) ||
         buf->array_dtype != impl->dtype().toScalarType() || !impl->sizes().equals(buf->array_shape) ||
         !impl->is_contiguous() || has_math_bits(impl)) {
       Py_DECREF(out);

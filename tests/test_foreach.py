@@ -175,6 +175,39 @@ def test_cross_aliased_in_place_runs_the_loop(counts) -> None:
     assert counts["program"] == 1
 
 
+@pytest.mark.parametrize("mode", [EagerMode.DEFER_NEVER, EagerMode.DEFER_AND_FUSE], ids=lambda m: m.name)
+def test_views_in_an_argument_list_run_one_program(mode, counts) -> None:
+    """An argument list holding a view (a bias gradient kept in its producer's shape, a slice) is read through the
+    storage layer element by element while the other elements take the whole-array path, in both eager modes: one
+    program, CPU's values. A view of one of the targets' storages at another position still runs the loop."""
+    torch.manual_seed(0)
+    t_c = [torch.randn(4, 3), torch.randn(6), torch.randn(5)]
+    big_c = torch.randn(2, 6)
+    o_c = [torch.randn(4, 3), big_c[1], None]  # whole, a row of another storage, strided (below)
+    t, o = _to(t_c, "tpu"), _to(o_c, "tpu")
+    o[1] = big_c.to("tpu")[1]  # .to() copies views contiguous: take the views on tpu
+    base = torch.randn(10).to("tpu")
+    o[2], o_c[2] = base[::2], base.cpu()[::2]
+    with torch.tpu.set_eager_mode(mode):
+        torch._foreach_addcmul_(t, o, o, 0.5)
+        got = [x.cpu() for x in t]
+    torch._foreach_addcmul_(t_c, o_c, o_c, 0.5)
+    for g, w in zip(got, t_c):
+        torch.testing.assert_close(g, w)
+    assert counts == {"program": 1, "loop": 0}
+    # The targets' own storages seen through views at the other position: the loop computes it (a += b.t(), then
+    # b += a.t() of the new a).
+    a_c, b_c = torch.randn(3, 2), torch.randn(2, 3)
+    a, b = a_c.to("tpu"), b_c.to("tpu")
+    with torch.tpu.set_eager_mode(mode):
+        torch._foreach_add_([a, b], [b.t(), a.t()])
+        got = [a.cpu(), b.cpu()]
+    torch._foreach_add_([a_c, b_c], [b_c.t(), a_c.t()])
+    torch.testing.assert_close(got[0], a_c)
+    torch.testing.assert_close(got[1], b_c)
+    assert counts["loop"] == 1
+
+
 def test_mixed_devices_and_cpu_tensors_behave_like_pytorch(counts) -> None:
     x = torch.randn(3, device="tpu")
     with pytest.raises(RuntimeError, match="same device|devices"):

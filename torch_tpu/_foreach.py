@@ -88,7 +88,8 @@ class ForeachKernel:
         targets = vals[0] if self.inplace else None
         donated: tuple = ()
         mask = 0
-        cols = self._columns(vals, n) if self.columnar and not _executor.recording() else None
+        recording = _executor.recording()
+        cols = self._columns(vals, n, recording) if self.columnar else None
         if cols is not None:
             dyn, shared, statics, index, donated, mask = cols
         else:
@@ -113,7 +114,7 @@ class ForeachKernel:
             _executor.block_arrays(outs)
         if targets is None:
             return [wrap_arrays(o, index) for o in outs]
-        left = range(n) if _executor.recording() else _C._write_wholes(targets, list(outs))
+        left = range(n) if recording else _C._write_wholes(targets, list(outs))
         for i in left:
             _storage.write(targets[i], outs[i])
         return None
@@ -144,14 +145,18 @@ class ForeachKernel:
             statics.append(tuple(s))
         return dyn, statics
 
-    def _columns(self, vals: list, n: int) -> tuple | None:
+    def _columns(self, vals: list, n: int, recording: bool = False) -> tuple | None:
         """The same inputs as `_elements`, bound column by column, when every tensor argument is a tpu tensor
         viewing its whole storage (each list's arrays from one C++ call), every scalar a Python number, there is
         one device, and no in-place target's array is read by another argument at another position. With them: the
         in-place targets' arrays apart and the bitmask of those that may be donated (their storage holds the only
-        reference, counted after every other argument took its own). None: the general path decides."""
+        reference, counted after every other argument took its own). None: the general path decides.
+
+        On a recording thread (DEFER_AND_FUSE) the storages' placeholders stand for their arrays, and nothing is
+        donated here: the fused executor donates a graph's inputs itself when it runs the graph."""
         if _C._device_count() != 1:
             return None
+        viewed: list[torch.Tensor] = []  # tensors read through the storage layer (not whole arrays)
         cols: list[Any] = []  # per foreach argument: a tuple of n values, or one value for every element
         scol: list[Any] = []  # the same for the static part
         per: list[bool] = []
@@ -170,10 +175,14 @@ class ForeachKernel:
                     cols.append(v)
                     scol.append([type(x) for x in v])
                 else:
-                    arrays = _C._whole_arrays(v, ())
-                    if arrays is None:
-                        return None
-                    cols.append(arrays[0])
+                    arrays = _C._whole_arrays(v, (), recording)
+                    if arrays is None:  # some element is a view, or its array has another shape: read it apart
+                        got = self._reads(v, recording, viewed)
+                        if got is None:
+                            return None
+                        cols.append(got)
+                    else:
+                        cols.append(arrays[0])
                     scol.append(None)
                 per.append(True)
             elif v is None or type(v) in _NUMBERS:
@@ -181,7 +190,7 @@ class ForeachKernel:
                 scol.append(type(v))
                 per.append(False)
             else:
-                arrays = _C._whole_arrays([v], ()) if isinstance(v, torch.Tensor) else None
+                arrays = _C._whole_arrays([v], (), recording) if isinstance(v, torch.Tensor) else None
                 if arrays is None:
                     return None
                 cols.append(arrays[0][0])
@@ -193,7 +202,8 @@ class ForeachKernel:
             targets = vals[0] if type(vals[0]) is list else list(vals[0])
             arrays = []
             for c in range(0, n, 64):  # the C++ mask has 64 bits
-                got = _C._whole_arrays(targets[c:c + 64], tuple(range(min(64, n - c))))
+                got = _C._whole_arrays(targets[c:c + 64], () if recording else tuple(range(min(64, n - c))),
+                                       recording)
                 if got is None:
                     return None
                 arrays.extend(got[0])
@@ -201,6 +211,10 @@ class ForeachKernel:
             owner = {id(a): i for i, a in enumerate(arrays)}
             if len(owner) != n:  # two targets share an array: the general path checks their storages
                 return None
+            if viewed:  # a view's read is a new array: compare storages (a view of a target: the general path)
+                mine = {t.untyped_storage().data_ptr() for t in targets}
+                if any(t.untyped_storage().data_ptr() in mine for t in viewed):
+                    return None
             for c, p in zip(cols[1:], per[1:]):
                 if p and type(c) is tuple:
                     if any(owner.get(id(a), i) != i for i, a in enumerate(c)):
@@ -232,6 +246,24 @@ class ForeachKernel:
                 if mask >> i & 1:
                     dyn[i][0] = None  # passed apart, donated
         return dyn, shared, statics, 0, donated, mask
+
+    @staticmethod
+    def _reads(v: list, recording: bool, viewed: list) -> tuple | None:
+        """The arrays of a tensor list some of whose elements do not view their whole array: those are read
+        through the storage layer (a slice, a reshape) and added to `viewed`. None when an element is not a tpu
+        tensor."""
+        out = []
+        for t in v:
+            got = _C._whole_arrays([t], (), recording) if isinstance(t, torch.Tensor) else None
+            if got is not None:
+                out.append(got[0][0])
+            elif isinstance(t, torch.Tensor) and t.device.type == "tpu":
+                viewed.append(t)
+                out.append(_storage.read(t))
+            else:
+                return None
+        return tuple(out)
+
     def elem_mismatch(self, vals: list, lists: list) -> Any:
         raise RuntimeError(
             f"aten::{self.name}: Tensor lists must have the same number of tensors, got "

@@ -25,6 +25,7 @@ import functools
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from torch_tpu import _C, _executor, _storage
@@ -395,6 +396,8 @@ def _key(seed: Any, offset: Any) -> Any:
 # ---- the ATen ops ----
 
 _FWD = "_scaled_dot_product_fused_attention_overrideable"
+_ZERO_U64 = np.uint64(0)
+_NO_BIAS = np.zeros((), np.float32)
 
 
 def _outputs(q: Any, k: Any, out: Any, lse: Any, seed: Any, offset: Any) -> tuple:
@@ -420,8 +423,10 @@ def sdpa_fused_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         raise NotImplementedError(f"aten::{_FWD} on tpu: return_debug_mask=True (the dropout mask of the fused "
                                   "kernel is never materialised); use the MATH backend to inspect it")
     index = query.device.index
-    seed, offset = _philox(None, query) if dropout_p > 0 else (jnp.uint64(0), jnp.uint64(0))
-    bias = _storage.read(attn_bias) if attn_bias is not None else jnp.zeros((), jnp.float32)
+    # Host constants, not jnp values: jnp.uint64(0) / jnp.zeros(()) are eager JAX ops, a device program each
+    # (three per attention call, 1-2 ms of a small GPT step), where numpy values are plain program inputs.
+    seed, offset = _philox(None, query) if dropout_p > 0 else (_ZERO_U64, _ZERO_U64)
+    bias = _storage.read(attn_bias) if attn_bias is not None else _NO_BIAS
     out, lse, seed_t, offset_t = _forward_fn(float(dropout_p), bool(is_causal), scale, attn_bias is not None)(
         _storage.read(query), _storage.read(key), _storage.read(value), bias, seed, offset)
     return (_C._wrap(out, query.dtype, index), _C._wrap(lse, torch.float32, index), None, None,
