@@ -40,9 +40,11 @@ def generator_for(generator: torch.Generator | None, t: torch.Tensor) -> torch.G
 
 def draw(generator: torch.Generator | None, t: torch.Tensor) -> tuple[Any, Any]:
     """One step of the generator of an eager random op on `t`: (seed, offset) as uint64 scalars for its
-    sampler, which makes them a key with `key`."""
+    sampler, which makes them a key with `key`. Host (numpy) scalars, program inputs like any argument:
+    `jnp.uint64(...)` would be a device transfer each (dropout on a 64x64 tensor took 461 us a call with them, 204
+    us without; 239 vs 38 us under DEFER_AND_FUSE)."""
     seed, offset = _C._philox_step(generator_for(generator, t), 1)
-    return jnp.uint64(seed), jnp.uint64(offset)
+    return np.uint64(seed), np.uint64(offset)
 
 
 def program_draw(index: int) -> tuple[Any, Any]:
