@@ -6,6 +6,7 @@ import functools
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from torch_tpu import _executor, _runtime, _storage
@@ -311,10 +312,10 @@ def _rrelu(self: torch.Tensor, noise: torch.Tensor, lower: Any, upper: Any, trai
             raise RuntimeError(f"rrelu_with_noise: noise of shape {list(noise.shape)} does not match the input's "
                                f"shape {list(self.shape)}")
         seed, offset = _philox(generator, self)
-        out, r = _rrelu_train_fn()(x, jnp.float32(lo), jnp.float32(hi), seed, offset)
+        out, r = _rrelu_train_fn()(x, np.float32(lo), np.float32(hi), seed, offset)  # host scalars: no transfer each
         _storage.write(noise, r)
     else:
-        out = _rrelu_eval_fn()(x, jnp.float32(lo), jnp.float32(hi))
+        out = _rrelu_eval_fn()(x, np.float32(lo), np.float32(hi))
     return out
 
 
