@@ -6,6 +6,7 @@ jax[tpu] extra asks for. The full clean-venv install and smoke run is `tools/rel
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -94,7 +95,7 @@ def test_publish_to_a_local_index_and_resolve_the_tpu_extra(tmp_path: Path) -> N
             [sys.executable, str(REPO / "tools" / "release.py"), "--wheel", str(wheel), "--skip-smoke",
              "--allow-dirty", "--out", str(tmp_path / "dist"), "--publish", index],
             capture_output=True, text=True, timeout=300, cwd=tmp_path,
-            env={**__import__("os").environ, "TWINE_USERNAME": "test", "TWINE_PASSWORD": "test"},
+            env={**os.environ, "TWINE_USERNAME": "test", "TWINE_PASSWORD": "test"},
         )
         assert r.returncode == 0, r.stderr
         assert (packages / wheel.name).read_bytes() == wheel.read_bytes()

@@ -150,7 +150,8 @@ def main() -> None:
         files[dst] = Path(src).read_bytes()
 
     if pins is None:
-        raise SystemExit("build_wheel: tools/requirements.txt is not among the sources (the jax/jaxlib pins come from it)")
+        raise SystemExit("build_wheel: tools/requirements.txt is not among the sources (the jax/jaxlib pins come "
+                         "from it)")
     declared = re.search(rb'^__version__ = "([^"]+)"', files.get(f"{NAME}/_version.py", b""), re.M)
     if declared and declared.group(1).decode() != args.version:
         raise SystemExit(f"build_wheel: --version {args.version} but torch_tpu/_version.py says "

@@ -208,9 +208,12 @@ def check_wheel(wheel: Path, twine: bool = True, auditwheel: bool = True) -> dic
         for n in sorted(want - names):
             problems.append(f"missing from the wheel: {n}")
         for n in sorted(names - want):
-            problems.append(f"not expected in the wheel: {n} (the wheel holds the sources BUILD globs, _C.so, dist-info)")
-        meta = email.parser.Parser().parsestr(zf.read(f"{dist}/METADATA").decode()) if f"{dist}/METADATA" in names else {}
-        wheel_meta = email.parser.Parser().parsestr(zf.read(f"{dist}/WHEEL").decode()) if f"{dist}/WHEEL" in names else {}
+            problems.append(f"not expected in the wheel: {n} (it holds the sources BUILD globs, _C.so, dist-info)")
+
+        def parsed(name: str):
+            return email.parser.Parser().parsestr(zf.read(name).decode()) if name in names else {}
+
+        meta, wheel_meta = parsed(f"{dist}/METADATA"), parsed(f"{dist}/WHEEL")
         entry_points = zf.read(f"{dist}/entry_points.txt").decode() if f"{dist}/entry_points.txt" in names else ""
         so = zf.read(f"{NAME}/_C.so") if f"{NAME}/_C.so" in names else b""
     if meta:
@@ -218,8 +221,9 @@ def check_wheel(wheel: Path, twine: bool = True, auditwheel: bool = True) -> dic
             problems.append(f"METADATA names {meta['Name']} {meta['Version']}, the file name {NAME} {wver}")
         requires = set(meta.get_all("Requires-Dist") or [])
         if requires != expected_requires():
-            problems.append(f"Requires-Dist {sorted(requires)}, expected {sorted(expected_requires())} (torch at the "
-                            "minor it was built for, jax/jaxlib at tools/requirements.txt's pins, jax[tpu] for the tpu extra)")
+            problems.append(f"Requires-Dist {sorted(requires)}, expected {sorted(expected_requires())} (torch at "
+                            "the minor it was built for, jax/jaxlib at tools/requirements.txt's pins, jax[tpu] for "
+                            "the tpu extra)")
         if (meta.get_all("Provides-Extra") or []) != ["tpu"]:
             problems.append(f"Provides-Extra {meta.get_all('Provides-Extra')}, expected ['tpu']")
         if meta["Requires-Python"] != ">=3.11":
@@ -298,8 +302,11 @@ def resolve_tpu_extra(python: str, index: str, ver: str, timeout: int = 300) -> 
     counts). Returns {name: version} of what pip would install, torch_tpu's download URL and pip's log."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        cmd = [python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--disable-pip-version-check", "--use-feature=fast-deps",
-               "--report", str(report), "--index-url", index + "simple/", f"{NAME}[tpu]=={ver}"]
+        # fast-deps: the index serves no PEP 658 metadata for libtpu, so pip would fetch its 213 MB wheel to read
+        # METADATA; with HTTP range requests it reads only that.
+        cmd = [python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--disable-pip-version-check",
+               "--use-feature=fast-deps", "--report", str(report), "--index-url", index + "simple/",
+               f"{NAME}[tpu]=={ver}"]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp)
         if r.returncode != 0:
             raise ReleaseError(f"pip could not resolve {NAME}[tpu]=={ver} from {index}: {r.stderr.strip()[-1500:]}")
@@ -345,18 +352,21 @@ def check_resolution(res: dict, index: str) -> str:
 
 def _run(cmd: list[str], what: str, timeout: int, **kw) -> None:
     say(f"{what}: {' '.join(cmd)}")
+    t0 = time.monotonic()
     try:
         r = subprocess.run(cmd, timeout=timeout, **kw)
     except subprocess.TimeoutExpired:
         raise ReleaseError(f"{what} took more than {timeout} s") from None
     if r.returncode != 0:
         raise ReleaseError(f"{what} failed (exit {r.returncode}); see the output above")
+    say(f"{what}: done in {time.monotonic() - t0:.1f} s")
 
 
 def build() -> Path:
     py = sys.executable
-    _run(["bazel", "build", "//:wheel", "--config=wheel_common", "--config=no_rbe", f"--repo_env=TORCH_TPU_PYTHON={py}"],
-         "bazel build", 3600, cwd=REPO, env=dict(os.environ, TORCH_TPU_PYTHON=py))
+    _run(["bazel", "build", "//:wheel", "--config=wheel_common", "--config=no_rbe",
+          f"--repo_env=TORCH_TPU_PYTHON={py}"], "bazel build", 3600, cwd=REPO,
+         env=dict(os.environ, TORCH_TPU_PYTHON=py))
     wheel = REPO / "bazel-bin" / wheel_name()
     if not wheel.exists():
         raise ReleaseError(f"Bazel did not write {wheel}")
@@ -407,8 +417,10 @@ def smoke(wheel: Path, index: str, work: Path) -> dict:
         raise ReleaseError(f"the clean venv holds another torch_tpu than {wheel.name}: {r.stdout}{r.stderr}")
     t1 = time.monotonic()
     _run([py, str(REPO / "examples" / "hello_tpu.py")], "the 2x2 check in the clean venv", 600, cwd=work)
-    _run([py, "-m", "pytest", "-q", "-m", "not slow", *SMOKE_TESTS], "the smoke tests in the clean venv", 1200,
-         cwd=REPO)
+    # the venv's pytest script, not `python -m pytest`: that would put the repository root (and its source folder
+    # torch_tpu/) first on sys.path
+    _run([str(venv / "bin" / "pytest"), "-q", "-m", "not slow", *SMOKE_TESTS], "the smoke tests in the clean venv",
+         1200, cwd=REPO)
     return {"install_s": round(installed, 1), "smoke_s": round(time.monotonic() - t1, 1), "tests": SMOKE_TESTS}
 
 
