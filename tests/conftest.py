@@ -4,6 +4,7 @@ it), never the source tree; CPU PyTorch is the oracle."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,21 @@ def run_python(code: str, env: dict[str, str] | None = None, timeout: int = 300,
     return subprocess.run(
         [sys.executable, "-c", code, *(args or [])], capture_output=True, text=True, env=full_env, timeout=timeout, cwd="/"
     )
+
+
+def version() -> str:
+    """torch_tpu's version, from the one place it is written (torch_tpu/_version.py)."""
+    return re.search(r'^__version__ = "([^"]+)"$', (REPO / "torch_tpu" / "_version.py").read_text(), re.M).group(1)
+
+
+def built_wheel() -> Path:
+    """The wheel `bazel build //:wheel` writes for this Python, by its exact name: version, tag and BUILD's
+    PLATFORM (bazel-bin may still hold a wheel that an older build named differently)."""
+    plat = re.search(r'^PLATFORM = "([^"]+)"$', (REPO / "BUILD").read_text(), re.M).group(1)
+    py = "cp%d%d" % sys.version_info[:2]
+    wheel = REPO / "bazel-bin" / f"torch_tpu-{version()}-{py}-{py}-{plat}.whl"
+    assert wheel.exists(), f"{wheel} is missing: run tools/setup.sh"
+    return wheel
 
 
 def rss_bytes() -> int:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import glob
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_python
+from conftest import REPO, built_wheel, run_python
 
 CHECK = """
 import torch
@@ -47,9 +46,7 @@ def test_autoload_can_be_disabled() -> None:
 
 
 def _wheel() -> str:
-    wheels = glob.glob(str(REPO / "bazel-bin" / "torch_tpu-0.2.0-*.whl"))
-    assert wheels, "bazel-bin/torch_tpu-0.2.0-*.whl is missing: run tools/setup.sh"
-    return wheels[0]
+    return str(built_wheel())
 
 
 @pytest.mark.slow

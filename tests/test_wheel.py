@@ -9,20 +9,26 @@ import sys
 import zipfile
 from pathlib import Path
 
-from conftest import REPO
+from conftest import REPO, built_wheel, version
 
 
 def test_installed_metadata() -> None:
+    """The installed wheel's metadata: its version from torch_tpu/_version.py, torch at the minor it was built
+    against, jax/jaxlib exactly at the versions the tests run with (the installed ones, tools/requirements.txt's
+    pins), and a tpu extra that asks for jax[tpu] at that version (which brings jax's libtpu pin)."""
     dist = md.distribution("torch_tpu")
-    assert dist.version == "0.2.0"
+    assert dist.version == version()
     eps = [e for e in dist.entry_points if e.group == "torch.backends"]
     assert [(e.name, e.value) for e in eps] == [("torch_tpu", "torch_tpu:_autoload")]
     reqs = dist.requires or []
-    assert "torch==2.13.*" in reqs
-    assert any(r.startswith("jax") and "<0.11" in r for r in reqs)
-    assert any(r.startswith("jaxlib") for r in reqs)
-    assert any(r.startswith("libtpu") and 'extra == "tpu"' in r for r in reqs)
-    assert "tpu" in (dist.metadata.get_all("Provides-Extra") or [])
+    torch_minor = ".".join(md.version("torch").split("+")[0].split(".")[:2])
+    assert f"torch=={torch_minor}.*" in reqs
+    jax, jaxlib = md.version("jax"), md.version("jaxlib")
+    assert f"jax=={jax}" in reqs and f"jaxlib=={jaxlib}" in reqs
+    assert f"jax=={jax}" in (REPO / "tools" / "requirements.txt").read_text().splitlines()
+    assert f'jax[tpu]=={jax}; extra == "tpu"' in reqs
+    assert not any(r.startswith("libtpu") for r in reqs)  # jax's own extra pins libtpu
+    assert dist.metadata.get_all("Provides-Extra") == ["tpu"]
 
 
 def test_installed_layout() -> None:
@@ -34,7 +40,7 @@ def test_installed_layout() -> None:
     root = Path(torch_tpu.__file__).parent
     assert (root / "_C.so").exists()
     assert Path(torch_tpu.kernels.__file__).parent == root / "kernels"
-    assert torch_tpu.__version__ == "0.2.0"
+    assert torch_tpu.__version__ == version() == md.version("torch_tpu")
 
 
 def test_every_kernel_module_is_installed_and_imported() -> None:
@@ -57,7 +63,8 @@ def test_every_kernel_module_is_installed_and_imported() -> None:
 def _build(tmp: Path, name: str) -> bytes:
     src = tmp / "src"
     for rel, text in {"torch_tpu/__init__.py": "x = 1\n", "kernels/a.py": "y = 2\n",
-                      "distributed/__init__.py": "", "README.md": "# readme\n"}.items():
+                      "distributed/__init__.py": "", "README.md": "# readme\n",
+                      "tools/requirements.txt": "jax==0.10.2\njaxlib==0.10.2\n"}.items():
         p = src / rel
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(text)
@@ -68,7 +75,7 @@ def _build(tmp: Path, name: str) -> bytes:
     subprocess.run(
         [sys.executable, str(REPO / "tools" / "build_wheel.py"), "--out", str(out), "--version", "0.2.0",
          "--torch-minor", "2.13", "--py-tag", "cp311", "torch_tpu/__init__.py", "kernels/a.py",
-         "distributed/__init__.py", "README.md", "bazel-out/k8-opt/bin/runtime/_C.so"],
+         "distributed/__init__.py", "README.md", "bazel-out/k8-opt/bin/runtime/_C.so", "tools/requirements.txt"],
         check=True, cwd=src,
     )
     return out.read_bytes()
@@ -86,11 +93,9 @@ def test_wheel_builder_is_reproducible_and_maps_the_layout(tmp_path: Path) -> No
 
 
 def test_built_wheel_matches_installed_sources() -> None:
-    wheels = sorted((REPO / "bazel-bin").glob("torch_tpu-0.2.0-*.whl"))
-    assert wheels, "run tools/setup.sh first"
     import torch_tpu
 
     root = Path(torch_tpu.__file__).parent
-    with zipfile.ZipFile(wheels[0]) as zf:
+    with zipfile.ZipFile(built_wheel()) as zf:
         assert zf.read("torch_tpu/kernels/registry.py") == (root / "kernels" / "registry.py").read_bytes()
         assert zf.read("torch_tpu/kernels/registry.py") == (REPO / "kernels" / "registry.py").read_bytes()

@@ -3,7 +3,8 @@
 The Python is $TORCH_TPU_PYTHON, else <workspace>/.venv/bin/python, else python3 on PATH. It writes the
 repository @local_torch with
   //:torch_python_extension  cc_library to build a torch Python extension against
-  //:defs.bzl                PY_TAG, TORCH_VERSION, TORCH_MINOR, PYTHON for BUILD files
+  //:defs.bzl                PY_TAG, TORCH_VERSION, TORCH_MINOR, PYTHON, and VERSION (torch_tpu's own, read
+                             from torch_tpu/_version.py, the one place it is written) for BUILD files
 """
 
 _REQUIRED_TORCH_MINOR = "2.13"
@@ -25,6 +26,14 @@ print(json.dumps({
     "cxx11_abi": int(torch._C._GLIBCXX_USE_CXX11_ABI),
 }))
 '''
+
+def _torch_tpu_version(rctx):
+    # Reading the file through its label makes Bazel rerun this rule when the version changes.
+    text = rctx.read(rctx.path(Label("//torch_tpu:_version.py")))
+    for line in text.splitlines():
+        if line.startswith("__version__ = "):
+            return line[len("__version__ = "):].strip().strip("\"'")
+    fail("torch_tpu: torch_tpu/_version.py has no `__version__ = \"X.Y.Z\"` line (the one place the version is written).")
 
 def _python_configure_impl(rctx):
     ws = rctx.path(Label("//:WORKSPACE")).dirname
@@ -65,7 +74,8 @@ PYTHON = "{python}"
 PY_TAG = "{py_tag}"
 TORCH_VERSION = "{version}"
 TORCH_MINOR = "{minor}"
-""".format(python = python, py_tag = info["py_tag"], version = version, minor = minor))
+VERSION = "{torch_tpu_version}"
+""".format(python = python, py_tag = info["py_tag"], version = version, minor = minor, torch_tpu_version = _torch_tpu_version(rctx)))
 
 python_configure = repository_rule(
     implementation = _python_configure_impl,

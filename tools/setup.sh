@@ -14,6 +14,10 @@ PY="${TORCH_TPU_BOOTSTRAP_PYTHON:-python3}"
 say() { printf '[setup] %s\n' "$*" >&2; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 
+# torch_tpu's version is written once, in torch_tpu/_version.py.
+VERSION="$(sed -n 's/^__version__ = "\(.*\)"$/\1/p' torch_tpu/_version.py)"
+[ -n "$VERSION" ] || die "torch_tpu/_version.py has no '__version__ = \"X.Y.Z\"' line."
+
 # 1. Python 3.11+
 "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' 2>/dev/null \
   || die "torch_tpu needs Python 3.11 or newer as '$PY' (set TORCH_TPU_BOOTSTRAP_PYTHON to another interpreter)."
@@ -40,12 +44,15 @@ have_torch="$(TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$VENV/bin/python" -P -c 'import t
 if [ -n "$have_torch" ] && [ "$have_torch" != "$REQUIRED_TORCH" ]; then
   die "the venv $VENV has torch $have_torch, but torch_tpu is built for torch==$REQUIRED_TORCH. Remove the venv ('rm -rf $VENV') and rerun, or 'pip install torch==$REQUIRED_TORCH' into it."
 fi
-if ! "$VENV/bin/python" - <<'PYEOF' 2>/dev/null
-import importlib.metadata as md, sys
-want = {"jax": "0.10.2", "jaxlib": "0.10.2"}
-for pkg in ("torch", "jax", "jaxlib", "numpy", "pytest", "expecttest"):
-    v = md.version(pkg)
-    if pkg in want and v != want[pkg]:
+# Every package of tools/requirements.txt present, each `name==X` pin at exactly X (torch is checked below).
+if ! "$VENV/bin/python" - tools/requirements.txt <<'PYEOF' 2>/dev/null
+import importlib.metadata as md, re, sys
+for line in open(sys.argv[1]):
+    m = re.match(r"^\s*([A-Za-z0-9_.-]+)\s*(==\s*([^\s;#]+))?", line)
+    if not m or line.lstrip().startswith("#"):
+        continue
+    v = md.version(m.group(1))
+    if m.group(3) and m.group(1) != "torch" and v != m.group(3):
         sys.exit(1)
 PYEOF
 then
@@ -62,8 +69,11 @@ have_torch="$(TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$VENV/bin/python" -P -c 'import t
 say "bazel build //:wheel"
 TORCH_TPU_PYTHON="$VENV/bin/python" bazel build //:wheel --config=wheel_common --config=no_rbe \
   --repo_env=TORCH_TPU_PYTHON="$VENV/bin/python" >&2 || die "the Bazel build failed (see above)."
-WHEEL="$(ls bazel-bin/torch_tpu-0.2.0-*.whl | head -n1)"
-[ -f "$WHEEL" ] || die "Bazel did not produce bazel-bin/torch_tpu-0.2.0-*.whl"
+# The wheel's exact name (bazel-bin may still hold a wheel an older build named differently).
+PLATFORM="$(sed -n 's/^PLATFORM = "\(.*\)"$/\1/p' BUILD)"
+PYTAG="$("$VENV/bin/python" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')"
+WHEEL="bazel-bin/torch_tpu-$VERSION-$PYTAG-$PYTAG-$PLATFORM.whl"
+[ -f "$WHEEL" ] || die "Bazel did not produce $WHEEL"
 stamp="$VENV/.torch_tpu_wheel.sha256"
 sum="$(sha256sum "$WHEEL" | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sum" ] || ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("torch_tpu")' >/dev/null 2>&1; then

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 from torch_tpu import _C  # the C++ runtime: allocator, guard, hooks, generator, metadata kernels
 
-__version__ = "0.2.0"
+from torch_tpu._version import __version__  # noqa: E402,F401  (the one place the version is written)
 
 
 def _setup() -> None:
