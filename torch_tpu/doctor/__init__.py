@@ -130,10 +130,18 @@ def _compare_cpu(fn_cpu: Callable[[], Any], tpu_losses: list[torch.Tensor], step
     cpu_losses: list[float] = []
     orig = torch.Tensor.backward
 
+    inside = []
+
     def backward(t: torch.Tensor, *a: Any, **k: Any) -> Any:
+        if inside:  # Tensor.backward re-entered through the device-mapping mode's __torch_function__
+            return orig(t, *a, **k)
         if t.numel() == 1 and len(cpu_losses) < steps:
             cpu_losses.append(float(t.detach().double()))
-        return orig(t, *a, **k)
+        inside.append(1)
+        try:
+            return orig(t, *a, **k)
+        finally:
+            inside.pop()
 
     def stop(opt: Any, args: Any, kwargs: Any) -> None:
         if len(cpu_losses) >= steps:
