@@ -275,3 +275,32 @@ def test_html_report_renders_its_plots_in_a_headless_browser(tmp_path: Path) -> 
                     f"--user-data-dir={tmp_path / 'profile2'}", f"--screenshot={full}", "--window-size=1200,2000",
                     f"file://{page}"], capture_output=True, timeout=120)
     assert full.exists() and full.stat().st_size > 10000
+
+
+HF_GPT2 = """\
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+torch.manual_seed(0)
+cfg = GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                 embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=127, eos_token_id=127)
+model = GPT2LMHeadModel(cfg).to("tpu")
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+g = torch.Generator().manual_seed(0)
+for step in range(4):
+    ids = torch.randint(0, 128, (2, 16), generator=g).to("tpu")
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_hugging_face_model_random_init(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    script = _write(tmp_path, "hf_gpt2.py", HF_GPT2)
+    proc, r = _doctor(tmp_path, script, options=("--compare-cpu", "--compare-steps", "3"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(r["steps"]) == 4 and not _findings(r, "coverage") and not _findings(r, "recompilation")
+    assert all(row["ok"] for row in r["correctness"]["steps"]) and len(r["correctness"]["steps"]) == 3
+    assert r["coverage"]["tpu_ops"] and r["timeline"]["first_step_compiles"] > 0

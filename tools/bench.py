@@ -380,11 +380,11 @@ def bench_doctor(steps: int = 8, runs: int = 3, example: str = "mlp") -> None:
 
     script = str(Path(__file__).resolve().parent.parent / "examples" / f"{example}.py")
     timed = ("import runpy, sys, time, torch, torch.optim; torch.randn(1, device='tpu'); t0 = time.perf_counter()\n"
-             "sys.argv = [{s!r}, '--device', 'tpu', '--steps', '{n}']\n"
+             "sys.argv = [{s!r}, '--device', 'tpu', '--steps', '{n}']; sys.path.insert(0, {d!r})\n"
              "{run}\n"
              "print('WALL', time.perf_counter() - t0)\n")
-    plain = timed.format(s=script, n=steps, run="runpy.run_path(sys.argv[0], run_name='__main__')")
-    doctor = timed.format(s=script, n=steps, run=(
+    plain = timed.format(s=script, d=os.path.dirname(script), n=steps, run="runpy.run_path(sys.argv[0], run_name='__main__')")
+    doctor = timed.format(s=script, d=os.path.dirname(script), n=steps, run=(
         "from torch_tpu import doctor; doctor.run_script(sys.argv[0], sys.argv[1:], steps=None)"))
     samples: dict[str, list[float]] = {"plain": [], "doctor": []}
     with tempfile.TemporaryDirectory() as d:
@@ -392,8 +392,9 @@ def bench_doctor(steps: int = 8, runs: int = 3, example: str = "mlp") -> None:
         env.pop("TORCH_TPU_EAGER_MODE", None)
         for i in range(runs + 1):
             for k, code in (("plain", plain), ("doctor", doctor)):
-                out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                                     check=True, cwd=d)
+                out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=d)
+                if out.returncode:
+                    raise RuntimeError(f"bench doctor: the {k} run failed:\n{out.stderr[-3000:]}")
                 wall = float([ln for ln in out.stdout.splitlines() if ln.startswith("WALL")][-1].split()[1])
                 if i:  # the first round fills the compile cache
                     samples[k].append(wall)
