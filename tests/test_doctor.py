@@ -103,6 +103,20 @@ def test_shape_change_per_step_is_a_recompilation_at_its_line(tmp_path: Path) ->
     assert proc.returncode == 1
 
 
+def test_shape_change_under_defer_and_fuse_is_a_recompiled_graph(tmp_path: Path) -> None:
+    script = _write(tmp_path, "shapes.py", SHAPES)
+    proc, r = _doctor(tmp_path, script, env={"TORCH_TPU_EAGER_MODE": "DEFER_AND_FUSE"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert r["script"]["eager_mode"] == "DEFER_AND_FUSE"
+    rec = _findings(r, "recompilation")
+    # x is made on the device inside the graph, so the graph's inputs keep their shapes: the graph is reported
+    # where it ran (the doctor waits for the device at each optimizer step)
+    assert len(rec) == 1 and rec[0]["site"] == f"{script}:9", rec
+    assert "DEFER_AND_FUSE graph" in rec[0]["title"] and "3 later step(s)" in rec[0]["title"]
+    assert r["coverage"]["fused_graph_runs"] >= 5
+    assert sum(r["coverage"]["outside_fused_or_compiled"].values()) < sum(r["coverage"]["tpu_ops"].values())
+
+
 def test_item_in_the_loop_is_a_sync_at_its_line(tmp_path: Path) -> None:
     script = _write(tmp_path, "item.py", ITEM)
     proc, r = _doctor(tmp_path, script)
@@ -186,14 +200,15 @@ def test_notebook_api_run_fn(tmp_path: Path) -> None:
                 print(loss.item())
 
         r = torch.tpu.doctor.run(train, 10, steps=3)
+        from torch_tpu import _metrics
         print("RESULT", json.dumps({"steps": len(r["steps"]), "sync_sites": [s["site"] for s in r["syncs"]],
-                                    "status": r.exit_status()}))
+                                    "status": r.exit_status(), "observer_off": _metrics.observer is None}))
         """)
     p = _write(tmp_path, "nb.py", code)
     proc = subprocess.run([sys.executable, str(p)], capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
-    assert res["steps"] == 3 and res["status"] == 0
+    assert res["steps"] == 3 and res["status"] == 0 and res["observer_off"]
     assert res["sync_sites"] == [f"{p}:10"], res
 
 

@@ -256,8 +256,9 @@ def _build(rec: Recorder, name: str, script: str | None, ended: str, exc: dict[s
     from torch_tpu import device_module
 
     steps = rec.steps
-    if len(steps) > 1 and steps[-1].ops == 0 and steps[-1].compiles == 0:
-        steps = steps[:-1]  # the empty tail after the last optimizer step
+    if rec.optimizer_steps and len(steps) > rec.optimizer_steps:
+        steps = steps[:rec.optimizer_steps]  # the tail after the last optimizer step is not a step (its syncs and
+        # ops still count in the totals)
     rec.steps = steps
     findings = analyze(rec, WARMUP_STEPS, compare, exc, fallback)
     first = steps[0] if steps else None

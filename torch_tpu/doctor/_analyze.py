@@ -120,9 +120,21 @@ def analyze(rec: Any, warmup: int, compare: dict[str, Any] | None, exc_info: dic
         new_later: list[dict[str, Any]] = []
         for c in cs:
             if c["shapes"] not in seen:
-                if c["step"] > first_step:
+                # Another number or rank of inputs is another program (a fused step whose optimizer state now
+                # exists), not the same one for new sizes.
+                if c["step"] > first_step and any(_structure(c["shapes"]) == _structure(o) for o in seen):
                     new_later.append(c)
                 seen.append(c["shapes"])
+        if "DEFER_AND_FUSE" in what:
+            # A fused graph's inputs may keep their shapes while shapes inside it change (tensors made on the
+            # device): any compile at this line after the warm-up steps is a new graph.
+            fused_later = [c for c in cs if c["step"] > first_step and c["step"] >= warmup]
+            if fused_later and not new_later:
+                g = per_site.setdefault(site, {"ops": [], "shapes": [cs[0]["shapes"]], "steps": set(),
+                                               "what": what, "inner": True})
+                g["ops"].append(what)
+                g["steps"].update(c["step"] for c in fused_later)
+                continue
         if not new_later:
             continue
         shapes = [c["shapes"] for c in cs if c["step"] == first_step][:1] + [c["shapes"] for c in new_later]
@@ -131,14 +143,18 @@ def analyze(rec: Any, warmup: int, compare: dict[str, Any] | None, exc_info: dic
         g["ops"].append(what)
         g["steps"].update(steps)
     for site, g in per_site.items():
-        changed = _changed_dims(g["shapes"])
+        changed = "" if g.get("inner") else _changed_dims(g["shapes"])
         ops = g["ops"]
         out.append(Finding(
             "warning", "recompilation",
             f"{', '.join(ops[:4])}{f' and {len(ops) - 4} more' if len(ops) > 4 else ''} compiled again for new "
-            f"input shapes in {len(g['steps'])} later step(s)", site,
-            f"{ops[0]} shapes: {', '.join(_short(s) for s in g['shapes'][:6])}"
-            f"{' ...' if len(g['shapes']) > 6 else ''}" + (f"; changing: {changed}" if changed else ""),
+            f"input shapes in {len(g['steps'])} later step(s)" if not g.get("inner") else
+            f"{', '.join(ops[:1])} compiled again in {len(g['steps'])} later step(s) (new shapes inside the graph)",
+            site,
+            (f"its inputs kept their shapes ({_short(g['shapes'][0])[:200]}): shapes inside the graph changed "
+             "(e.g. of tensors made on the device); the graph ran at this line" if g.get("inner") else
+             f"{ops[0]} shapes: {', '.join(_short(s) for s in g['shapes'][:6])}"
+             f"{' ...' if len(g['shapes']) > 6 else ''}" + (f"; changing: {changed}" if changed else "")),
             _recompile_advice(changed, g["what"])))
 
     # -- host synchronisations --
@@ -236,6 +252,15 @@ def analyze(rec: Any, warmup: int, compare: dict[str, Any] | None, exc_info: dic
     return out
 
 
+def _structure(shapes: Any) -> Any:
+    """The number and ranks of the inputs: shapes with the sizes left out."""
+    if isinstance(shapes, (list, tuple)):
+        if all(isinstance(d, int) for d in shapes):
+            return len(shapes)
+        return tuple(_structure(s) for s in shapes)
+    return shapes
+
+
 def _short(shapes: Any) -> str:
     return str(shapes).replace(" ", "")
 
@@ -274,7 +299,10 @@ def _recompile_advice(changed: str, what: str) -> str:
         tips.append("a fixed batch size (DataLoader(drop_last=True), or pad the last batch)")
     if changed:
         tips.append("pad/bucket the changing dimension to a few sizes (e.g. multiples of 128 or powers of two)")
-    if "graph" in what or "program" in what:
+    if "DEFER_AND_FUSE" in what:
+        tips.append("keep the shapes of the step's tensors fixed (pad/bucket them); a dimension that must vary "
+                    "compiles once per size")
+    elif "graph" in what or "program" in what:
         tips.append("under torch.compile, torch._dynamo.mark_dynamic(tensor, dim) for a dimension that must vary")
     return "; ".join(tips) or "keep input shapes static"
 

@@ -41,6 +41,8 @@ DATA_DEPENDENT = {"nonzero", "masked_select", "_unique2", "unique_dim", "unique_
                   "repeat_interleave.Tensor", "bincount", "masked_scatter", "nonzero_numpy"}
 SYNC_OPS = {"_local_scalar_dense": ".item() (aten::_local_scalar_dense)", "item": ".item()",
             "equal": "torch.equal (aten::equal)", "is_nonzero": "bool(tensor) (aten::is_nonzero)"}
+METADATA = {"detach", "empty", "empty_strided", "lift_fresh", "_reshape_alias", "set_", "resize_", "as_strided",
+            "_unsafe_view", "view", "t", "transpose", "expand", "permute", "alias", "_local_scalar_dense"}
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution", "convolution_overrideable",
               "addbmm", "linear", "matmul", "_grouped_mm"}
 
@@ -364,7 +366,8 @@ class Recorder(TorchDispatchMode):
             out = func(*args, **kwargs)
         finally:
             entry = stack.pop()
-        self._observe(name, args, kwargs, tensors, out, synced=entry[1])
+        self._observe(name, args, kwargs, tensors, out, synced=entry[1],
+                      metadata=func.is_view or _base(name) in METADATA)
         self._ops_since_check += 1
         if self.max_seconds is not None and self._ops_since_check >= 256:
             self._ops_since_check = 0
@@ -372,7 +375,8 @@ class Recorder(TorchDispatchMode):
                 raise StopRun(f"--seconds {self.max_seconds:g} reached")
         return out
 
-    def _observe(self, name: str, args: Any, kwargs: Any, tensors: list, out: Any, synced: bool) -> None:
+    def _observe(self, name: str, args: Any, kwargs: Any, tensors: list, out: Any, synced: bool,
+                 metadata: bool) -> None:
         self.op_counts[name] += 1
         step = self.steps[-1]
         step.ops += 1
@@ -381,7 +385,7 @@ class Recorder(TorchDispatchMode):
         from torch_tpu import _deferred
 
         fused = _deferred.current_mode() == 2 and self._is_fusable(name)  # DEFER_AND_FUSE records it
-        if not fused:
+        if not fused and not metadata:  # (views and metadata kernels touch no data: no program runs)
             self.unfused[name] += 1
             step.unfused_ops += 1
             if outs and max(o.numel() for o in outs) < 4096:
