@@ -117,6 +117,14 @@ def test_shape_change_under_defer_and_fuse_is_a_recompiled_graph(tmp_path: Path)
     assert sum(r["coverage"]["outside_fused_or_compiled"].values()) < sum(r["coverage"]["tpu_ops"].values())
 
 
+def test_seconds_bound_stops_at_a_step_boundary_and_still_reports(tmp_path: Path) -> None:
+    script = _write(tmp_path, "item.py", ITEM)
+    proc, r = _doctor(tmp_path, script, options=("--seconds", "0.001"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert r["script"]["ended"] == "--seconds 0.001 reached" and len(r["steps"]) == 1
+    assert not _findings(r, "transfer") and not _findings(r, "fusion")  # no steady state to judge
+
+
 def test_item_in_the_loop_is_a_sync_at_its_line(tmp_path: Path) -> None:
     script = _write(tmp_path, "item.py", ITEM)
     proc, r = _doctor(tmp_path, script)

@@ -158,7 +158,7 @@ def analyze(rec: Any, warmup: int, compare: dict[str, Any] | None, exc_info: dic
             _recompile_advice(changed, g["what"])))
 
     # -- host synchronisations --
-    steady = [s for s in rec.steps[warmup:]] or rec.steps
+    steady = rec.steps[warmup:]  # per-step findings read the steady state only (none before it exists)
     for (what, site), n in sorted(rec.syncs.items(), key=lambda kv: -kv[1]):
         in_steps = len(rec.sync_steps[(what, site)])
         per_step = n / n_steps
