@@ -39,3 +39,10 @@ def test_host_unknown_row_names_the_choices() -> None:
     out = _bench("host", "--rows", "eager,nope", timeout=120)
     assert out.returncode == 2
     assert "unknown host row(s) nope" in out.stderr and "eager" in out.stderr, out.stderr
+
+
+def test_doctor_row_prints_the_overhead_ratio() -> None:
+    out = _bench("doctor", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    m = re.search(r"script alone +(\d+\.\d+) s +under the doctor +(\d+\.\d+) s +-> ratio (\d+\.\d+)x", out.stdout)
+    assert m and all(float(v) > 0 for v in m.groups()), out.stdout

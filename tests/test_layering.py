@@ -151,3 +151,13 @@ def test_installed_modules_match_the_layering() -> None:
     assert callable(torch_tpu._executor.jitted)
     assert issubclass(torch_tpu._eager.OpKernel, torch_tpu.kernels._schema.Signature)
     assert callable(torch_tpu.kernels._promote.write_outs)
+
+
+def test_the_doctor_is_a_top_layer() -> None:
+    """torch_tpu.doctor reads the runtime's metrics; nothing below it imports it (torch.tpu.doctor is a lazy
+    attribute of the device module, resolved on first use)."""
+    below = [p for p in _files("torch_tpu") + _files("kernels") + _files("compile_cache") + _files("distributed")
+             if "doctor" not in p.parts]
+    assert _offending(below, {"torch_tpu.doctor"}) == {}
+    doctor = _files("torch_tpu/doctor")
+    assert doctor and any("torch_tpu._metrics" in _imports(p) or "torch_tpu" in _imports(p) for p in doctor)

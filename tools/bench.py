@@ -368,6 +368,41 @@ def bench_cold_start() -> None:
               f"{statistics.median(startup):.2f} s]")
 
 
+def bench_doctor(steps: int = 8, runs: int = 3, example: str = "mlp") -> None:
+    """The doctor's overhead: examples/<example>.py for `steps` steps with `python -m torch_tpu.doctor` vs the
+    same script alone, each a fresh process with the same warm compile cache (runs alternate; medians). Each
+    process prints its own wall time from before the script's first line to its end (interpreter start-up and
+    imports excluded), so the ratio is the doctor's cost on the run itself."""
+    import os
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    script = str(Path(__file__).resolve().parent.parent / "examples" / f"{example}.py")
+    timed = ("import runpy, sys, time, torch, torch.optim; torch.randn(1, device='tpu'); t0 = time.perf_counter()\n"
+             "sys.argv = [{s!r}, '--device', 'tpu', '--steps', '{n}']; sys.path.insert(0, {d!r})\n"
+             "{run}\n"
+             "print('WALL', time.perf_counter() - t0)\n")
+    plain = timed.format(s=script, d=os.path.dirname(script), n=steps, run="runpy.run_path(sys.argv[0], run_name='__main__')")
+    doctor = timed.format(s=script, d=os.path.dirname(script), n=steps, run=(
+        "from torch_tpu import doctor; doctor.run_script(sys.argv[0], sys.argv[1:], steps=None)"))
+    samples: dict[str, list[float]] = {"plain": [], "doctor": []}
+    with tempfile.TemporaryDirectory() as d:
+        env = dict(os.environ, TORCH_TPU_CACHE_DIR=d)
+        env.pop("TORCH_TPU_EAGER_MODE", None)
+        for i in range(runs + 1):
+            for k, code in (("plain", plain), ("doctor", doctor)):
+                out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=d)
+                if out.returncode:
+                    raise RuntimeError(f"bench doctor: the {k} run failed:\n{out.stderr[-3000:]}")
+                wall = float([ln for ln in out.stdout.splitlines() if ln.startswith("WALL")][-1].split()[1])
+                if i:  # the first round fills the compile cache
+                    samples[k].append(wall)
+    p, dr = statistics.median(samples["plain"]), statistics.median(samples["doctor"])
+    print(f"doctor  ({example}.py, {steps} steps, fresh process per run, warm compile cache, median of {runs})")
+    print(f"  script alone {p:6.2f} s   under the doctor {dr:6.2f} s   -> ratio {dr / p:.2f}x")
+
+
 ALL_REDUCE_MB = (1, 4, 16, 64)
 
 
@@ -1447,7 +1482,7 @@ BENCHMARKS = {"eager_overhead": bench_eager_overhead, "op_overhead": bench_op_ov
               "threads": bench_threads, "profiler": bench_profiler, "host": bench_host, "streams": bench_streams,
               "jax_op": bench_jax_op, "inductor_default": bench_inductor_default,
               "grouped_mm": bench_grouped_mm, "paged_attention": bench_paged_attention,
-              "compiled_collectives": bench_compiled_collectives, "sdpa": bench_sdpa}
+              "compiled_collectives": bench_compiled_collectives, "sdpa": bench_sdpa, "doctor": bench_doctor}
 
 
 def main(argv: list[str]) -> int:

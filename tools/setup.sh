@@ -33,6 +33,18 @@ if ! command -v bazel >/dev/null 2>&1; then
   fi
 fi
 
+# 2b. Chromium, best effort: the test of the doctor's HTML report (tests/test_doctor.py) opens it headless and
+# skips, saying why, without it. Nothing else needs it.
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "${TORCH_TPU_NO_APT:-0}" != "1" ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    say "chromium not found: installing Debian's chromium with apt-get (for the doctor's HTML report test)"
+    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) >&2 \
+      || say "could not install chromium (the HTML report test will skip); 'apt-get install chromium' installs it"
+  else
+    say "chromium not found: the doctor's HTML report test will skip ('sudo apt-get install chromium' installs it)"
+  fi
+fi
+
 # 3. The venv with pinned torch/jax. Probes run with -P (from the repo root the source folder torch_tpu/ would
 # otherwise shadow the installed wheel) and without the backend autoload, so that a broken installed torch_tpu
 # (the very thing this script rebuilds) cannot stop it.

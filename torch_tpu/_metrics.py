@@ -25,6 +25,12 @@ _counts = {"compiles": 0, "compile_seconds": 0.0, "fused_graph_compiles": 0, "fu
            "fused_ops": 0, "fused_outputs": 0, "fused_replays": 0, "persistent_cache_hits": 0}
 _listening = False
 
+# The doctor's switch (torch_tpu/doctor): None, or an object whose `on_sync(reason)`, `on_compile(what, shapes,
+# file, line, seconds)` and `on_trace(seconds)` this module calls with the facts it already computes, so the doctor
+# reads the one metrics path instead of instrumenting the runtime a second time. Off (None) it costs one global
+# read per host synchronisation and per compile.
+observer: Any = None
+
 
 class RecompilationWarning(UserWarning):
     """The same op or graph at one call site keeps compiling because its input shapes change."""
@@ -89,14 +95,16 @@ def reset() -> None:
         _warned.clear()
 
 
-def tick() -> None:
+def tick(reason: str = "") -> None:
     """A host synchronisation: the end of a step, as far as the recompilation warning is concerned."""
     global epoch
     epoch += 1
+    if observer is not None:
+        observer.on_sync(reason)
 
 
 def flush(reason: str, n_ops: int, n_outputs: int, replayed: bool = False) -> None:
-    tick()
+    tick(reason)
     with _lock:
         _flushes[reason] += 1
         _counts["fused_ops"] += n_ops
@@ -129,14 +137,18 @@ def install_listener() -> None:
     from jax._src import dispatch
 
     event_name = dispatch.BACKEND_COMPILE_EVENT
+    trace_events = {getattr(dispatch, n) for n in ("JAXPR_TRACE_EVENT", "JAXPR_TO_MLIR_MODULE_EVENT")
+                    if hasattr(dispatch, n)}
 
     def on_duration(event: str, duration: float, **kwargs: Any) -> None:
         if event != event_name:
+            if observer is not None and event in trace_events:
+                observer.on_trace(duration)
             return
         with _lock:
             _counts["compiles"] += 1
             _counts["compile_seconds"] += duration
-        _check_storm()
+        _check_storm(duration)
 
     jax.monitoring.register_event_duration_secs_listener(on_duration)
     _listening = True
@@ -177,9 +189,9 @@ def _shapes(values: Any) -> list[Any]:
     return out
 
 
-def _check_storm() -> None:
+def _check_storm(seconds: float = 0.0) -> None:
     threshold = _threshold()
-    if threshold <= 0:
+    if threshold <= 0 and observer is None:
         return
     what = shapes = None
     site = None
@@ -206,7 +218,9 @@ def _check_storm() -> None:
         running = _C._eager_running()  # a cache hit of the C++ eager path (runtime/TpuDispatch.cpp) compiling
         if running is not None:
             what, shapes = f"aten::{running[0]}", _shapes(running[1])
-    if what is None or site is None:
+    if observer is not None:  # every compile, with its call site and shapes (None: not an op or fused graph)
+        observer.on_compile(what, shapes, site_file, site_line, seconds)
+    if what is None or site is None or threshold <= 0:
         return
     key = (site, what)
     with _lock:

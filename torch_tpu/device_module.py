@@ -194,6 +194,10 @@ def _generators() -> tuple[torch.Generator, ...]:
 def __getattr__(name: str) -> Any:
     if name == "default_generators":
         return _generators()
+    if name == "doctor":  # torch.tpu.doctor: imported on first use (a top layer; nothing below imports it)
+        import importlib
+
+        return importlib.import_module("torch_tpu.doctor")
     raise AttributeError(f"module 'torch.tpu' has no attribute '{name}'")
 
 
