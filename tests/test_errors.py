@@ -95,7 +95,7 @@ def test_setup_reports_missing_bazel(tmp_path: Path) -> None:
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (bindir / "python3").symlink_to(os.path.realpath(sys.executable))
-    for tool in ("bash", "dirname", "id", "cat", "printf", "ls", "head", "sha256sum", "cut"):
+    for tool in ("bash", "dirname", "id", "cat", "printf", "ls", "head", "sha256sum", "cut", "sed"):
         src = subprocess.run(["bash", "-c", f"command -v {tool}"], capture_output=True, text=True).stdout.strip()
         if src:
             (bindir / tool).symlink_to(src)
