@@ -502,3 +502,35 @@ def test_which_calls_the_cpp_path_serves(monkeypatch) -> None:
         count(False)
         assert any(n != "_fast_args" for n in slow), (name, slow)  # the Python kernel, with all its checks
         torch.testing.assert_close(r.cpu(), cpu_fn(), msg=name)
+
+
+def test_an_op_compiles_once_for_its_first_two_calls(tmp_path) -> None:
+    """The first call shaped for the fast path runs through the entry it installs: its program is compiled (or,
+    on a warm start, loaded from the persistent cache) once, not once for the slow path's general callable and
+    again for the entry on the second call. Functional and in-place forms, cold and warm, values as CPU."""
+    code = """
+import torch
+xc, yc = torch.randn(7, 13), torch.randn(7, 13)
+x, y = xc.to("tpu"), yc.to("tpu")
+def programs():
+    m = torch.tpu.metrics()
+    return m.compiles + m.persistent_cache_hits
+base = programs()
+outs = [torch.atan2(x, y) for _ in range(3)]
+after_functional = programs() - base
+z = x.clone()
+base = programs()
+for _ in range(3):
+    z.mul_(y)
+after_inplace = programs() - base
+for o in outs:
+    torch.testing.assert_close(o.cpu(), torch.atan2(xc, yc))
+torch.testing.assert_close(z.cpu(), xc * yc ** 3)
+print("PROGRAMS", after_functional, after_inplace)
+"""
+    env = {"TORCH_TPU_CACHE_DIR": str(tmp_path / "cache")}
+    for start in ("cold", "warm"):
+        r = run_python(code, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        line = [ln for ln in r.stdout.splitlines() if ln.startswith("PROGRAMS")][-1]
+        assert line.split()[1:] == ["1", "1"], (start, line)
