@@ -130,6 +130,16 @@ def test_runtime_imports_no_executor() -> None:
     assert _offending([REPO / "torch_tpu" / "_runtime.py"], _EXECUTORS | {"torch_tpu._executor"}) == {}
 
 
+def test_runtime_and_rng_are_ground_floor() -> None:
+    """_runtime starts PJRT and nothing else: what runs around the start (joining torchrun's world, the compile
+    cache, the program collector) is wired in by torch_tpu/__init__.py; the RNG module keeps the default
+    generators itself instead of reaching up into the device module."""
+    above = {"torch_tpu.compile_cache", "torch_tpu.distributed", "torch_tpu.device_module", "torch_tpu._programs",
+             "torch_tpu._storage", "torch_tpu.kernels", "torch_tpu._executor", *_EXECUTORS}
+    assert _offending([REPO / "torch_tpu" / "_runtime.py"], above) == {}
+    assert _offending([REPO / "torch_tpu" / "_rng.py"], above) == {}
+
+
 def test_installed_modules_match_the_layering() -> None:
     """The installed wheel has the same split (a new module that is not packaged would break it)."""
     import torch_tpu._eager

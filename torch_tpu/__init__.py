@@ -42,6 +42,7 @@ def _setup() -> None:
         for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True
     )
     _C._set_callbacks(_runtime.start, _storage.resize_array, device_module._synchronize)
+    _runtime.on_start(before=_join_launcher_world, after=_after_runtime_start)
     _eager.install()  # the table's lowerings (torch_tpu.kernels) as PrivateUse1 kernels
     _foreach.install()  # _foreach_* overloads: one program over the list instead of PyTorch's per-tensor loop
     _C._set_resolver(_deferred.resolve)  # the storage accessors' placeholder contract (runtime/TpuPython.cpp)
@@ -77,6 +78,21 @@ def _setup() -> None:
     # default) and a bad one is raised at the first tpu use and by torch.tpu.is_available() (instead of
     # answering False: a `"tpu" if is_available() else "cpu"` script would silently run on CPU). See _config.
     _config.load()
+
+
+def _join_launcher_world() -> None:
+    """Under torchrun, joins JAX's distributed world before PJRT starts (torch_tpu.distributed), so
+    torch.tpu.set_device(local_rank) or init_process_group(device_id=...) may come first, as with CUDA."""
+    from torch_tpu.distributed import _world
+
+    _world.join_launcher_world()
+
+
+def _after_runtime_start() -> None:
+    from torch_tpu import _programs, compile_cache
+
+    _programs.install()  # bounds the compiled programs kept alive (XLA:CPU maps memory per kernel)
+    compile_cache.install()
 
 
 _setup()

@@ -25,12 +25,21 @@ from torch_tpu import _C
 from torch_tpu._jax import jax, jnp
 
 
+_default_generators: tuple[torch.Generator, ...] | None = None
+
+
+def default_generators() -> tuple[torch.Generator, ...]:
+    """The default generator of each tpu device (`torch.tpu.default_generators`), made once."""
+    global _default_generators
+    if _default_generators is None:
+        _default_generators = tuple(_C._default_generator(i) for i in range(_C._device_count()))
+    return _default_generators
+
+
 def generator_for(generator: torch.Generator | None, t: torch.Tensor) -> torch.Generator:
     """The generator a random op on tensor `t` draws from: `generator`, or the default one of t's device."""
     if generator is None:
-        from torch_tpu import device_module
-
-        return device_module.default_generators[t.device.index]
+        return default_generators()[t.device.index]
     if generator.device.type != "tpu":
         raise RuntimeError(
             f"Expected a 'tpu' device type for generator but found '{generator.device.type}'"
@@ -50,9 +59,7 @@ def draw(generator: torch.Generator | None, t: torch.Tensor) -> tuple[Any, Any]:
 def program_draw(index: int) -> tuple[Any, Any]:
     """One step of tpu:`index`'s default generator for one call of a traced program: (seed, offset) as host
     uint64 scalars, passed to the program as its last two arguments."""
-    from torch_tpu import device_module
-
-    seed, offset = _C._philox_step(device_module.default_generators[index], 1)
+    seed, offset = _C._philox_step(default_generators()[index], 1)
     return np.uint64(seed), np.uint64(offset)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -113,31 +113,40 @@ def start() -> int:
     with _lock:
         if _devices is None:
             configure_jax()
-            _join_launcher_world()
+            for fn in _before_start:
+                fn()
             _platform, _devices = _pick_devices()
             if not _JAX_TO_TORCH:
                 _build_dtype_maps()
             from jax._src.array import ArrayImpl
 
-            from torch_tpu import _C, _metrics, _programs, compile_cache
+            from torch_tpu import _C, _metrics
 
             _C._set_dtype_map(dict(_JAX_TO_TORCH))
             _C._set_array_type(ArrayImpl)  # what storages hold when not an executor's placeholder (TpuPython.cpp)
             _metrics.install_listener()
-            _programs.install()  # bounds the compiled programs kept alive (XLA:CPU maps memory per kernel)
-            compile_cache.install()
+            for fn in _after_start:
+                fn()
             if not _fork_hook:  # only now: a child forked before the first tpu use starts its own runtime
                 os.register_at_fork(after_in_child=_after_fork_in_child)
                 _fork_hook = True
         return len(_devices)
 
 
-def _join_launcher_world() -> None:
-    """Under torchrun, joins JAX's distributed world before the backend starts (torch_tpu.distributed), so
-    torch.tpu.set_device(local_rank) or init_process_group(device_id=...) may come first, as with CUDA."""
-    from torch_tpu.distributed import _world
+# What runs around the PJRT start, registered by the wiring (torch_tpu/__init__.py) so that this module imports
+# nothing above it: before, joining torchrun's JAX world (torch_tpu.distributed); after, the program collector and
+# the persistent compilation cache.
+_before_start: list[Callable[[], None]] = []
+_after_start: list[Callable[[], None]] = []
 
-    _world.join_launcher_world()
+
+def on_start(before: Callable[[], None] | None = None, after: Callable[[], None] | None = None) -> None:
+    """Runs `before` just before the PJRT client starts (JAX configured, no backend yet) and `after` once it has
+    started, in the order registered."""
+    if before is not None:
+        _before_start.append(before)
+    if after is not None:
+        _after_start.append(after)
 
 
 def devices() -> list[Any]:

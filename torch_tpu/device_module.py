@@ -9,7 +9,7 @@ from typing import Any, Iterator
 
 import torch
 
-from torch_tpu import _C, _deferred, _metrics, _runtime, compile_cache
+from torch_tpu import _C, _deferred, _metrics, _rng, _runtime, compile_cache
 from torch_tpu._deferred import EagerMode
 from torch_tpu._metrics import RecompilationWarning
 
@@ -181,19 +181,9 @@ def get_device_properties(d: DeviceLike = None) -> _TpuDeviceProperties:
 
 # ---- RNG ----
 
-_default_generators: tuple[torch.Generator, ...] | None = None
-
-
-def _generators() -> tuple[torch.Generator, ...]:
-    global _default_generators
-    if _default_generators is None:
-        _default_generators = tuple(_C._default_generator(i) for i in range(device_count()))
-    return _default_generators
-
-
 def __getattr__(name: str) -> Any:
-    if name == "default_generators":
-        return _generators()
+    if name == "default_generators":  # (kept by the RNG module, torch_tpu/_rng.py, which random kernels use)
+        return _rng.default_generators()
     if name == "doctor":  # torch.tpu.doctor: imported on first use (a top layer; nothing below imports it)
         import importlib
 
@@ -203,43 +193,43 @@ def __getattr__(name: str) -> Any:
 
 def manual_seed(seed: int) -> None:
     """Seeds the current tpu device's default generator."""
-    _generators()[current_device()].manual_seed(int(seed))
+    _rng.default_generators()[current_device()].manual_seed(int(seed))
 
 
 def manual_seed_all(seed: int) -> None:
     """Seeds every tpu device's default generator (torch.manual_seed calls this)."""
-    for g in _generators():
+    for g in _rng.default_generators():
         g.manual_seed(int(seed))
 
 
 def seed() -> None:
-    _generators()[current_device()].seed()
+    _rng.default_generators()[current_device()].seed()
 
 
 def seed_all() -> None:
-    s = _generators()[0].seed()
-    for g in _generators()[1:]:
+    s = _rng.default_generators()[0].seed()
+    for g in _rng.default_generators()[1:]:
         g.manual_seed(s)
 
 
 def initial_seed() -> int:
-    return _generators()[current_device()].initial_seed()
+    return _rng.default_generators()[current_device()].initial_seed()
 
 
 def get_rng_state(d: DeviceLike = "tpu") -> torch.Tensor:
-    return _generators()[_checked(d)].get_state()
+    return _rng.default_generators()[_checked(d)].get_state()
 
 
 def set_rng_state(new_state: torch.Tensor, d: DeviceLike = "tpu") -> None:
-    _generators()[_checked(d)].set_state(new_state)
+    _rng.default_generators()[_checked(d)].set_state(new_state)
 
 
 def get_rng_state_all() -> list[torch.Tensor]:
-    return [g.get_state() for g in _generators()]
+    return [g.get_state() for g in _rng.default_generators()]
 
 
 def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
-    for g, s in zip(_generators(), new_states):
+    for g, s in zip(_rng.default_generators(), new_states):
         g.set_state(s)
 
 
