@@ -24,6 +24,9 @@ def _doctor(tmp_path: Path, script: Path, *args: str, env: dict[str, str] | None
             options: tuple[str, ...] = (), timeout: int = 300) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / f"{script.stem}.json"
     e = {k: v for k, v in os.environ.items() if k not in ("TORCH_TPU_EAGER_MODE", "TORCH_TPU_CPU_FALLBACK")}
+    # A cache of its own: programs loaded from a persistent cache that earlier runs filled are not compiles, and
+    # the recompilation findings count compiles.
+    e["TORCH_TPU_CACHE_DIR"] = str(tmp_path / "cache")
     e.update(env or {})
     proc = subprocess.run([sys.executable, "-m", "torch_tpu.doctor", "--no-html", "--json", str(out), *options,
                            str(script), *args], capture_output=True, text=True, env=e, timeout=timeout,
