@@ -154,3 +154,13 @@ def test_forced_cpu_platform() -> None:
                    env={"TORCH_TPU_PLATFORM": "cpu"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "XLA:CPU (cpu)"
+
+
+def test_inductor_reads_the_device_properties() -> None:
+    """Inductor's DeviceProperties (its reduction-split heuristic, for any device) reads multi_processor_count:
+    missing, a compiled reduction on tpu raised AttributeError whenever Inductor split it."""
+    from torch._inductor.runtime.hints import DeviceProperties
+
+    props = torch.tpu.get_device_properties(0)
+    assert props.multi_processor_count >= 1
+    assert DeviceProperties.create(torch.device("tpu", 0)).multi_processor_count == props.multi_processor_count

@@ -150,6 +150,9 @@ class _TpuDeviceProperties:
     index: int
     total_memory: int
     process_index: int
+    # CUDA's name for the compute units a kernel spreads over; Inductor reads it for any device (its reduction
+    # split heuristic, torch/_inductor/runtime/hints.py): the TensorCores PJRT drives as this device.
+    multi_processor_count: int = 1
 
     def __repr__(self) -> str:
         return (f"_TpuDeviceProperties(name='{self.name}', platform='{self.platform}', "
@@ -176,6 +179,7 @@ def get_device_properties(d: DeviceLike = None) -> _TpuDeviceProperties:
     return _TpuDeviceProperties(
         name=get_device_name(idx), platform=_runtime.platform(), device_kind=dev.device_kind,
         index=idx, total_memory=total, process_index=int(getattr(dev, "process_index", 0)),
+        multi_processor_count=int(getattr(dev, "num_cores", 1) or 1),
     )
 
 
