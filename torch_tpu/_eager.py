@@ -196,9 +196,10 @@ class OpKernel(Signature):
         entry, each op compiled (and, on a warm start, loaded from the persistent cache) twice. Returns the
         result array, or None when the slow path must run (another mode, a result the fast path cannot take, an
         error, which the slow path raises as it always does)."""
-        if _current_mode() or not self.lowering.jit or not self._fast_ok[len(args)] or self.n_returns != 1:
-            return None
         key = (len(args), fast[1], inplace_dtype)
+        if (_current_mode() or key in self._fast or not self.lowering.jit or not self._fast_ok[len(args)]
+                or self.n_returns != 1):
+            return None  # (an entry that exists has run and declined this call: the slow path decides)
         fn = self._make_fast(len(args), vals, inplace_dtype)
         try:
             out = fn(*fast[2])
