@@ -2,11 +2,30 @@
 #include "TpuGenerator.h"
 #include "TpuRuntime.h"
 
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/CPUAllocator.h>
 
 namespace torch_tpu {
 namespace {
+
+// The host allocator PyTorch's device-generic API asks for (`torch.accelerator.empty_host_cache()`, which
+// `torch.accelerator.Graph` calls on entry; without one registered that call dereferences null). Host staging memory
+// is ordinary pageable memory here (PJRT copies host buffers on transfer): nothing is cached, so nothing to empty.
+struct TpuHostAllocator final : public at::HostAllocator {
+  c10::DataPtr allocate(size_t nbytes) override { return c10::GetCPUAllocator()->allocate(nbytes); }
+  c10::DeleterFnPtr raw_deleter() const override { return c10::GetCPUAllocator()->raw_deleter(); }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    c10::GetCPUAllocator()->copy_data(dest, src, count);
+  }
+  bool record_event(void* /*ptr*/, void* /*ctx*/, c10::Stream /*stream*/) override { return true; }
+  void empty_cache() override {}
+  at::HostStats get_stats() override { return at::HostStats{}; }
+  void reset_accumulated_stats() override {}
+  void reset_peak_stats() override {}
+};
+
+TpuHostAllocator g_host_allocator;
 
 struct TpuHooks final : public at::PrivateUse1HooksInterface {
   bool isBuilt() const override { return true; }
@@ -34,7 +53,7 @@ struct TpuHooks final : public at::PrivateUse1HooksInterface {
   }
   bool isPinnedPtr(const void* /*data*/) const override { return false; }
   // Host staging memory is ordinary pageable memory: PJRT copies host buffers on transfer.
-  at::Allocator* getPinnedMemoryAllocator() const override { return c10::GetCPUAllocator(); }
+  at::Allocator* getPinnedMemoryAllocator() const override { return &g_host_allocator; }
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
     resize_storage_bytes(storage, newsize);
   }
@@ -45,4 +64,5 @@ struct Registerer {
 } g_registerer;
 
 }  // namespace
+REGISTER_HOST_ALLOCATOR(c10::DeviceType::PrivateUse1, &g_host_allocator)
 }  // namespace torch_tpu

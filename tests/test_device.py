@@ -116,6 +116,15 @@ def test_generated_methods() -> None:
     assert s.is_tpu and s.device.type == "tpu"
 
 
+def test_accelerator_host_cache_calls() -> None:
+    """torch.accelerator.empty_host_cache() (torch.accelerator.Graph calls it on entry) needs a host allocator
+    registered for the device: without one it dereferenced null and killed the process (so: a fresh process)."""
+    r = run_python("import torch\ntorch.zeros(1, device='tpu')\ntorch.accelerator.empty_host_cache()\n"
+                   "x = torch.ones(3).pin_memory()\nprint(x.sum().item())\n")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().endswith("3.0")
+
+
 def test_virtual_devices() -> None:
     r = run_python(
         """
