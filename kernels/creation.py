@@ -55,10 +55,12 @@ def _arange(n: int, dtype: Any, index: int, integral: bool) -> Any:
             return (start + step * jnp.arange(n, dtype=jnp.int64)).astype(dtype)
         return (start + step * jnp.arange(n, dtype=jnp.float64)).astype(dtype)
 
-    return jax.jit(arange, out_shardings=_on(index))
+    return _executor.jitted(arange, index, key=(n, dtype, index, integral))
 
 
-@direct("arange.start_out")
+# Deferrable: its size comes from host numbers (a tensor bound is read with .item(), which computes just that value),
+# so under DEFER_AND_FUSE it is recorded like any op instead of running every pending graph first.
+@direct("arange.start_out", defer=True)
 def arange_start_out(start: Any, end: Any, step: Any = 1, *, out: torch.Tensor) -> torch.Tensor:
     start, end, step = (v.item() if isinstance(v, torch.Tensor) else v for v in (start, end, step))
     if step == 0:

@@ -133,6 +133,21 @@ def test_flush_reasons_and_unread_results_not_materialised() -> None:
     torch.testing.assert_close(d.cpu(), ((x.cpu() * 2 + 1).sin() + 1) * 5, rtol=1e-6, atol=1e-6)
 
 
+def test_arange_is_recorded_not_a_flush() -> None:
+    """torch.arange's size comes from host numbers: under DEFER_AND_FUSE it joins the pending graph (Hugging Face
+    models call it in every forward; as a boundary it ran every pending graph first, and could not be captured)."""
+    x = torch.randn(6, device="tpu")
+    torch.tpu.synchronize()
+    torch.tpu.reset_metrics()
+    with torch.tpu.set_eager_mode(FUSE):
+        y = x * 2
+        r = torch.arange(1, 13, 2, device="tpu")
+        f = torch.arange(0.5, 3.5, 0.5, device="tpu")
+        z = y + r + f
+        assert torch.tpu.metrics().flushes == {}
+        torch.testing.assert_close(z.cpu(), x.cpu() * 2 + torch.arange(1, 13, 2) + torch.arange(0.5, 3.5, 0.5))
+
+
 def test_size_limit_flushes(monkeypatch) -> None:
     from torch_tpu import _deferred
 
