@@ -31,6 +31,12 @@ def _value_for(dst: torch.Tensor, src: torch.Tensor) -> Any:
         if src.device.index != index:
             val = jax.device_put(_executor.concrete(val, "transfer"), _runtime.device(index))
     else:
+        if src.numel() and _executor.capturing():  # (an empty copy carries no value to keep)
+            raise RuntimeError(
+                f"torch_tpu: copy_ from {src.device} to {dst.device} (shape {list(src.shape)}, {src.dtype}) while a "
+                "tpu graph is being captured: the graph would keep this host value in every replay. Copy host "
+                "data into a static tpu tensor before replay() instead (CUDA graphs reject this copy too)."
+            )
         val = _runtime.upload(src, index)
     dtype = _runtime.jax_dtype(dst.dtype)
     shape = tuple(dst.shape)

@@ -763,10 +763,11 @@ def _interleaved(fns: dict[str, Callable[[], object]], calls: int, trials: int, 
 
 
 def _tpu_step_variants(mod, modes=("DEFER_NEVER", "DEFER_AND_FUSE"), whole_step: bool = True,
-                       compiled_model: bool = True) -> dict[str, Callable[[], float]]:
+                       compiled_model: bool = True, graph: bool = False) -> dict[str, Callable[[], float]]:
     """Training steps of `mod` (build/optimizer) on tpu, each ending in loss.item(): one per eager mode, the whole
-    step in torch.compile(backend="tpu"), and torch.compile(model, backend="tpu") with the optimizer eager. Every
-    variant has its own model built from the same seed."""
+    step in torch.compile(backend="tpu"), torch.compile(model, backend="tpu") with the optimizer eager, and (with
+    `graph`) the step captured once with torch.tpu.graph and replayed. Every variant has its own model built from
+    the same seed."""
     out: dict[str, Callable[[], float]] = {}
 
     def make(kind: str) -> Callable[[], float]:
@@ -785,6 +786,16 @@ def _tpu_step_variants(mod, modes=("DEFER_NEVER", "DEFER_AND_FUSE"), whole_step:
 
         if kind == "compiled step":
             step = torch.compile(step, backend="tpu")
+        if kind == "graph":  # captured once with torch.tpu.graph after a warm-up, as CUDA graphs are used
+            for group in opt.param_groups:
+                group["capturable"] = True  # (as constructing it with capturable=True: the state is made at step 1)
+            for _ in range(2):
+                step().item()
+            opt.zero_grad(set_to_none=True)
+            graph = torch.tpu.TPUGraph()
+            with torch.tpu.graph(graph):
+                static_loss = step()
+            return lambda: (graph.replay(), static_loss.item())[1]
         if kind in ("DEFER_NEVER", "DEFER_AND_FUSE"):
             def run() -> float:
                 with torch.tpu.set_eager_mode(kind):
@@ -798,6 +809,8 @@ def _tpu_step_variants(mod, modes=("DEFER_NEVER", "DEFER_AND_FUSE"), whole_step:
         out["compiled step"] = make("compiled step")
     if compiled_model:
         out["compiled model"] = make("compiled model")
+    if graph:
+        out["graph"] = make("graph")
     return out
 
 
@@ -820,7 +833,8 @@ def _host_training(name: str, quick: bool, fused: bool, compiled: bool) -> None:
     mod = _HostMLP if name == "host_mlp" else _example(name)
     label = "MLP" if name == "host_mlp" else "GPT"
     fns: dict[str, Callable[[], float]] = dict(_tpu_step_variants(
-        mod, modes=("DEFER_NEVER", "DEFER_AND_FUSE") if fused else (), whole_step=compiled, compiled_model=compiled))
+        mod, modes=("DEFER_NEVER", "DEFER_AND_FUSE") if fused else (), whole_step=compiled, compiled_model=compiled,
+        graph=fused))
     jax_step, _ = _jax_train_step(name)
     fns["jax"] = lambda: float(jax_step())
     calls = 3 if quick else (20 if name == "host_mlp" else 10)
@@ -832,6 +846,9 @@ def _host_training(name: str, quick: bool, fused: bool, compiled: bool) -> None:
                   r["DEFER_AND_FUSE"] / j, 1.3)
         _host_info(f"b. {label} step DEFER_NEVER / jax.jit", f"never {ms('DEFER_NEVER')}  jax.jit {ms('jax')}",
                    f"{r['DEFER_NEVER'] / j:.2f}x")
+        # The step recorded once and replayed without Python per op (torch.tpu.graph, CUDA graphs' API).
+        _host_info(f"b. {label} step replayed (torch.tpu.graph) / jax.jit",
+                   f"replay {ms('graph')}  jax.jit {ms('jax')}", f"{r['graph'] / j:.2f}x")
     if compiled:
         _host_row(f"c. {label} torch.compile(whole step) / jax", f"compiled {ms('compiled step')}  jax.jit {ms('jax')}",
                   r["compiled step"] / j, 1.15)
@@ -1024,13 +1041,27 @@ def _host_hf(quick: bool) -> None:
             _HOST_TABLE.append((f"f. {name}", "skipped", "", None))
             continue
         fns: dict[str, Callable[[], float]] = {}
-        for kind in ("cpu 1 thread", f"cpu {threads} threads", "DEFER_NEVER", "DEFER_AND_FUSE", "compiled model"):
+        for kind in ("cpu 1 thread", f"cpu {threads} threads", "DEFER_NEVER", "DEFER_AND_FUSE", "compiled model",
+                     "graph"):
             device = "cpu" if kind.startswith("cpu") else "tpu"
             model, data, loss_of = build(0)
             model = model.to(device)
             data = data.to(device) if isinstance(data, torch.Tensor) else tuple(t.to(device) for t in data)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=kind == "graph")
             fwd = torch.compile(model, backend="tpu") if kind == "compiled model" else model
+            if kind == "graph":  # the step captured once (torch.tpu.graph) after a warm-up, then replayed
+                for _ in range(2):
+                    opt.zero_grad(set_to_none=True)
+                    loss_of(model, data).backward()
+                    opt.step()
+                opt.zero_grad(set_to_none=True)
+                graph = torch.tpu.TPUGraph()
+                with torch.tpu.graph(graph):
+                    static_loss = loss_of(model, data)
+                    static_loss.backward()
+                    opt.step()
+                fns[kind] = lambda graph=graph, static_loss=static_loss: (graph.replay(), static_loss.item())[1]
+                continue
             n_threads = 1 if kind == "cpu 1 thread" else threads
             mode = kind if kind.startswith("DEFER") else "DEFER_NEVER"
 
@@ -1050,7 +1081,7 @@ def _host_hf(quick: bool) -> None:
         r = _interleaved(fns, calls=2 if quick else 5, trials=2 if quick else 5, warm=2 if quick else 3)
         cpu1 = r["cpu 1 thread"]
         print(f"  f. {name}: " + "  ".join(f"{k} {v / 1e3:.1f} ms" for k, v in r.items()), flush=True)
-        for kind, target in (("DEFER_NEVER", None), ("DEFER_AND_FUSE", 1.0), ("compiled model", 1.0)):
+        for kind, target in (("DEFER_NEVER", None), ("DEFER_AND_FUSE", 1.0), ("compiled model", 1.0), ("graph", None)):
             label = f"f. {name} tpu {kind} / cpu 1 thread"
             extra = f"(vs cpu {threads} threads {r[kind] / r[f'cpu {threads} threads']:.2f}x)"
             if target is None:

@@ -198,10 +198,56 @@ class Pending:
         return f"Pending({state}, shape={self.shape}, dtype={self.dtype})"
 
 
+class Bound:
+    """What a storage holds while a graph capture runs on its device (torch_tpu/_graphs.py): its array, as an input
+    of the captured program bound to the storage, so that each replay reads the storage's array of that moment (a
+    static input the user `copy_`s new data into, a parameter the captured step updates). Recorded ops take it as
+    an input like an array (its shape, dtype and aval are the array's); only the capturing thread (and the autograd
+    threads working for it) may read it. The capture puts every storage's own array back when it ends."""
+
+    __slots__ = ("storage", "array", "graph", "shape", "dtype", "weak_type", "aval")
+
+    def __init__(self, storage: Any, array: Any, graph: "_Graph") -> None:
+        self.storage = storage  # the torch.UntypedStorage (a strong reference)
+        self.array = array
+        self.graph = graph
+        self.aval = array.aval
+        self.shape, self.dtype, self.weak_type = self.aval.shape, self.aval.dtype, self.aval.weak_type
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return self.array.size
+
+    def devices(self) -> Any:
+        return self.array.devices()
+
+    def __repr__(self) -> str:
+        return f"Bound(shape={self.shape}, dtype={self.dtype})"
+
+
+def _bound_read(x: Bound) -> None:
+    if recording() and x.graph.owner == _C._graph_owner():
+        return None  # the capture records it as an input
+    raise RuntimeError(
+        "torch_tpu: this tensor's storage is bound to a tpu graph being captured (torch.tpu.graph / "
+        "torch.accelerator.Graph), and its value was needed "
+        + ("by a kernel that runs eagerly (not recorded)" if x.graph.owner == _C._graph_owner() else
+           "by another thread")
+        + ". Inside a capture only recorded tpu ops may use it: read values after the capture ends (after "
+        "`replay()` for the captured results)."
+    )
+
+
 def resolve(x: Any) -> Any:
     """The resolver of the storage accessors (runtime/TpuPython.cpp): a placeholder's array once computed; while
     the calling thread records, None (keep the placeholder); otherwise its value is computed now."""
     if type(x) is not Pending:
+        if type(x) is Bound:
+            return _bound_read(x)
         return None
     v = x.value
     if v is None and not recording():
@@ -241,7 +287,7 @@ class _Trace:
 
 class _Graph:
     __slots__ = ("owner", "index", "inputs", "input_pos", "nodes", "keys", "pendings", "done", "run_lock",
-                 "trace", "entries", "limit", "__weakref__")
+                 "trace", "entries", "limit", "capture", "__weakref__")
 
     def __init__(self, owner: int, index: int) -> None:
         self.owner = owner  # the thread recording it (runtime/TpuMode.cpp's id)
@@ -260,6 +306,9 @@ class _Graph:
         # The predicted trace while every op so far matched it (None once one did not, or without one).
         self.trace: _Trace | None = _predicted.get((owner, index))
         self.entries: list[tuple] = []  # (fn key, specs, signature, node info) per node: this graph's trace
+        # While a tpu graph capture records into it (torch_tpu/_graphs.py): the capture. It never runs as a pending
+        # graph: a flush (a value needed, a synchronization) raises the capture's error instead.
+        self.capture: Any = None
 
 
 _graphs: dict[tuple[int, int], _Graph] = {}  # (owner thread, device index) -> the graph recording there
@@ -392,7 +441,9 @@ def _arg(g: _Graph, a: Any) -> tuple[Any, Any]:
         return ("i", pos), t
     if t is list or t is tuple:
         return _arg_list(g, a)
-    if hasattr(a, "shape") and hasattr(a, "dtype"):  # a device array (or numpy value)
+    if t is Bound and a.graph is not g:
+        _bound_read(a)  # (raises: another thread's or device's graph)
+    if hasattr(a, "shape") and hasattr(a, "dtype"):  # a device array (or numpy value, Bound, drawn RNG step)
         return _input(g, a)
     return ("c", a), ("c", a)  # a hashable constant
 
@@ -585,6 +636,8 @@ def flush(g: _Graph | None, reason: str) -> None:
         with _lock:
             if g.done or not g.nodes:
                 return
+            if g.capture is not None:
+                raise g.capture.needs_value(reason)
             key = (g.owner, g.index)
             if _graphs.get(key) is g:
                 del _graphs[key]  # recording from here on starts a new graph

@@ -24,7 +24,7 @@ import itertools
 import threading
 from typing import Any, Callable
 
-from torch_tpu import _C, _checks, _deferred, _memory, _runtime
+from torch_tpu import _C, _checks, _deferred, _memory, _rng, _runtime
 from torch_tpu._deferred import EagerMode
 from torch_tpu._jax import jax
 
@@ -35,6 +35,11 @@ current_mode = _C._mode  # the calling thread's effective mode (an EagerMode val
 recording = _C._recording  # True when this thread's tpu ops are recorded (DEFER_AND_FUSE, not suspended)
 record = _deferred.record  # executors only: appends a call of arrays to the pending graph
 concrete = _deferred.concrete
+
+
+def capturing() -> bool:
+    """True while the calling thread's tpu work is captured into a graph (torch_tpu/_graphs.py)."""
+    return bool(_rng._capturing) and _C._graph_owner() in _rng._capturing
 eagerly = _deferred.suspended
 _ids = itertools.count(1)
 _suspend = _C._suspend

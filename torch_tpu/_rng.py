@@ -52,14 +52,45 @@ def draw(generator: torch.Generator | None, t: torch.Tensor) -> tuple[Any, Any]:
     sampler, which makes them a key with `key`. Host (numpy) scalars, program inputs like any argument:
     `jnp.uint64(...)` would be a device transfer each (dropout on a 64x64 tensor took 461 us a call with them, 204
     us without; 239 vs 38 us under DEFER_AND_FUSE)."""
-    seed, offset = _C._philox_step(generator_for(generator, t), 1)
-    return np.uint64(seed), np.uint64(offset)
+    return _step(generator_for(generator, t))
 
 
 def program_draw(index: int) -> tuple[Any, Any]:
     """One step of tpu:`index`'s default generator for one call of a traced program: (seed, offset) as host
     uint64 scalars, passed to the program as its last two arguments."""
-    seed, offset = _C._philox_step(default_generators()[index], 1)
+    return _step(default_generators()[index])
+
+
+# ---- draws inside a tpu graph capture (torch_tpu/_graphs.py) ----
+# While a thread's ops are captured into a graph, its draws (and those of the autograd threads working for it: keyed
+# by _C._graph_owner()) are `Drawn` values: inputs of the captured program that each replay draws again from the
+# same generator, in capture order, so every replay gets new random numbers (CUDA graphs advance their Philox
+# offsets per replay the same way). A plain number would be a constant of the program: the same mask every replay.
+_capturing: dict[int, list[tuple["Drawn", "Drawn"]]] = {}  # graph owner thread -> its capture's draws
+
+
+class Drawn:
+    """A (seed or offset) uint64 of a generator step drawn while a graph was captured: a program input."""
+
+    __slots__ = ("generator", "value", "shape", "dtype", "weak_type", "aval")
+
+    def __init__(self, generator: torch.Generator, value: Any) -> None:
+        self.generator = generator
+        self.value = value  # the capture's own draw (what the program is compiled with)
+        self.shape, self.dtype, self.weak_type, self.aval = (), value.dtype, False, None
+
+    def __repr__(self) -> str:
+        return "Drawn(uint64)"
+
+
+def _step(gen: torch.Generator) -> tuple[Any, Any]:
+    seed, offset = _C._philox_step(gen, 1)
+    if _capturing:
+        draws = _capturing.get(_C._graph_owner())
+        if draws is not None:
+            pair = (Drawn(gen, np.uint64(seed)), Drawn(gen, np.uint64(offset)))
+            draws.append(pair)
+            return pair
     return np.uint64(seed), np.uint64(offset)
 
 

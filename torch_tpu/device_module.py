@@ -392,3 +392,8 @@ def jax_op(fn: Any = None, **kwargs: Any) -> Any:
 # ---- custom ops: torch.tpu.ops (torch_tpu/ops.py: paged attention, grouped matmul) ----
 __all__ += ["ops"]
 from torch_tpu import ops  # noqa: E402
+
+# ---- graph capture and replay: torch.tpu.TPUGraph, torch.tpu.graph (torch_tpu/_graphs.py; CUDA graphs' API) ----
+__all__ += ["TPUGraph", "graph", "is_current_stream_capturing", "graphs"]
+from torch_tpu import _graphs as graphs  # noqa: E402
+from torch_tpu._graphs import TPUGraph, graph, is_current_stream_capturing  # noqa: E402

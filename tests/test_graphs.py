@@ -1,0 +1,218 @@
+"""Graph capture and replay (torch.tpu.TPUGraph, torch.tpu.graph, torch.accelerator.Graph): CUDA graphs' contract,
+checked against CPU PyTorch running the same steps eagerly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _capture(fn):
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        out = fn()
+    return g, out
+
+
+def test_replay_reads_static_inputs_and_writes_static_outputs():
+    x = torch.randn(8, 16, device="tpu")
+    y = torch.randn(8, 16, device="tpu")
+    g, z = _capture(lambda: (x * 2 + y.sin()).relu().sum(1))
+    for _ in range(3):
+        xc = torch.randn(8, 16)
+        x.copy_(xc.to("tpu"))
+        g.replay()
+        torch.testing.assert_close(z.cpu(), (xc * 2 + y.cpu().sin()).relu().sum(1))
+
+
+def test_capture_runs_nothing_until_replay():
+    w = torch.randn(5, device="tpu")
+    before = w.cpu()
+    g, _ = _capture(lambda: w.mul_(2).add_(1))
+    torch.testing.assert_close(w.cpu(), before)  # a capture records; it runs nothing
+    g.replay()
+    torch.testing.assert_close(w.cpu(), before * 2 + 1)
+    g.replay()  # each replay reads what the last one wrote
+    torch.testing.assert_close(w.cpu(), (before * 2 + 1) * 2 + 1)
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32, bias=False), nn.BatchNorm1d(32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+@pytest.mark.parametrize("mode", ["DEFER_NEVER", "DEFER_AND_FUSE"])
+def test_training_step_replays_like_eager_cpu(mode):
+    """Forward, backward and AdamW captured once and replayed on new batches give CUDA graphs' result: the steps
+    CPU PyTorch takes eagerly on the same batches."""
+    torch.manual_seed(1)
+    batches = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(6)]
+    base = _model()
+
+    cpu = copy.deepcopy(base)
+    opt_c = torch.optim.AdamW(cpu.parameters(), lr=1e-2)
+    losses_cpu = []
+    for x, y in batches:
+        opt_c.zero_grad()
+        loss = F.cross_entropy(cpu(x), y)
+        loss.backward()
+        opt_c.step()
+        losses_cpu.append(loss.item())
+
+    with torch.tpu.set_eager_mode(mode):
+        m = copy.deepcopy(base).to("tpu")
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, capturable=True)
+        sx = torch.zeros(8, 16, device="tpu")
+        sy = torch.zeros(8, dtype=torch.long, device="tpu")
+        losses = []
+
+        def step():
+            loss = F.cross_entropy(m(sx), sy)
+            loss.backward()
+            opt.step()
+            return loss
+
+        for x, y in batches[:2]:  # warm-up, as with CUDA graphs: the optimizer's state exists before the capture
+            sx.copy_(x.to("tpu"))
+            sy.copy_(y.to("tpu"))
+            opt.zero_grad(set_to_none=True)
+            losses.append(step().item())
+        opt.zero_grad(set_to_none=True)
+        g, static_loss = _capture(step)
+        for x, y in batches[2:]:
+            sx.copy_(x.to("tpu"))
+            sy.copy_(y.to("tpu"))
+            g.replay()
+            losses.append(static_loss.item())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(losses_cpu), rtol=1e-4, atol=1e-5)
+    for p, q in zip(m.parameters(), cpu.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5)
+    for b, c in zip(m.buffers(), cpu.buffers()):  # BatchNorm's running statistics and batch count, updated in place
+        torch.testing.assert_close(b.cpu(), c, rtol=1e-4, atol=1e-5)
+
+
+def test_each_replay_draws_new_random_numbers():
+    torch.tpu.manual_seed(3)
+    x = torch.ones(4096, device="tpu")
+    state = torch.tpu.get_rng_state()
+    g, out = _capture(lambda: F.dropout(x, 0.5))
+    masks = []
+    for _ in range(3):
+        g.replay()
+        o = out.cpu()
+        assert set(o.unique().tolist()) <= {0.0, 2.0}  # kept elements scaled by 1/(1-p)
+        assert 0.4 < (o == 0).float().mean().item() < 0.6
+        masks.append(o)
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+    assert not torch.equal(torch.tpu.get_rng_state(), state)  # the generator advances per replay
+
+
+def test_a_value_needed_inside_the_capture_raises_and_leaves_tensors_as_they_were():
+    w = torch.randn(6, device="tpu")
+    before = w.cpu()
+    g = torch.tpu.TPUGraph()
+    with pytest.raises(RuntimeError, match="while a tpu graph was being captured"):
+        with torch.tpu.graph(g):
+            w.add_(1)
+            if w.sum().item() > 0:  # a Python branch on a value: nothing has run yet
+                w.mul_(2)
+    assert not torch.tpu.is_current_stream_capturing()
+    torch.testing.assert_close(w.cpu(), before)
+    torch.testing.assert_close((w + 1).cpu(), before + 1)  # the device works as before
+    with pytest.raises(RuntimeError, match="capture failed"):
+        g.replay()
+
+
+def test_a_capture_whose_block_raised_does_not_replay():
+    w = torch.zeros(3, device="tpu")
+    g = torch.tpu.TPUGraph()
+    with pytest.raises(ValueError):
+        with torch.tpu.graph(g):
+            w.add_(1)
+            raise ValueError("user code failed half way")
+    with pytest.raises(RuntimeError, match="capture failed.*half way"):
+        g.replay()
+    assert w.cpu().tolist() == [0.0, 0.0, 0.0]
+
+
+def test_adam_without_capturable_is_refused():
+    m = nn.Linear(4, 4).to("tpu")
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.ones(2, 4, device="tpu")).sum().backward()
+    opt.step()
+    weight = m.weight.detach().cpu()
+    with pytest.raises(RuntimeError, match="capturable is False"):
+        with torch.tpu.graph(torch.tpu.TPUGraph()):
+            opt.step()
+    torch.testing.assert_close(m.weight.detach().cpu(), weight)
+
+
+def test_a_host_copy_inside_the_capture_is_refused():
+    x = torch.zeros(3, device="tpu")
+    with pytest.raises(RuntimeError, match="copy_ from cpu to tpu:0 .* while a tpu graph is being captured"):
+        with torch.tpu.graph(torch.tpu.TPUGraph()):
+            x.copy_(torch.ones(3))
+
+
+def test_is_current_stream_capturing():
+    seen = []
+    with torch.tpu.graph(torch.tpu.TPUGraph()):
+        seen.append(torch.tpu.is_current_stream_capturing())
+    assert seen == [True] and not torch.tpu.is_current_stream_capturing()
+
+
+def test_torch_accelerator_graph_on_tpu():
+    torch.accelerator.empty_host_cache()  # (null host allocator before: a segmentation fault)
+    x = torch.arange(4.0, device="tpu")
+    g = torch.accelerator.Graph()
+    with g:
+        x.mul_(3).sub_(1)
+    torch.testing.assert_close(x.cpu(), torch.arange(4.0))
+    g.replay()
+    torch.testing.assert_close(x.cpu(), torch.arange(4.0) * 3 - 1)
+    g.reset()
+    with pytest.raises(RuntimeError, match="nothing was captured"):
+        g.replay()
+
+
+def test_replay_refuses_a_resized_static_input():
+    x = torch.randn(4, device="tpu")
+    g, out = _capture(lambda: x * 2)
+    x.resize_(8)
+    with pytest.raises(RuntimeError, match="held shape \\(4,\\)"):
+        g.replay()
+
+
+def test_replay_keeps_arrays_pending_work_still_reads():
+    """A replay donates the arrays of the state it overwrites only when nothing else holds them: here a graph
+    recorded before the replay still reads the parameter's old value."""
+    w = torch.randn(16, device="tpu")
+    before = w.cpu()
+    g, _ = _capture(lambda: w.mul_(2))
+    with torch.tpu.set_eager_mode("DEFER_AND_FUSE"):
+        y = w * 1  # recorded: reads w's array of now
+        g.replay()
+        torch.testing.assert_close(y.cpu(), before)
+        torch.testing.assert_close(w.cpu(), before * 2)
+        g.replay()
+        z = w + 0
+    torch.testing.assert_close(z.cpu(), before * 4)
+
+
+def test_a_view_of_a_captured_output_sees_each_replay():
+    x = torch.randn(4, device="tpu")
+    kept = {}
+
+    def body():
+        t = x * 3
+        kept["view"] = t[:2]  # (a view: its storage is found, so it is an output and holds zeros until replay)
+        return t
+
+    g, out = _capture(body)
+    g.replay()
+    torch.testing.assert_close(kept["view"].cpu(), x.cpu()[:2] * 3)
+    torch.testing.assert_close(out.cpu(), x.cpu() * 3)
