@@ -55,7 +55,11 @@ def _tpu_storages(index: int) -> dict[int, torch.UntypedStorage]:
     for o in gc.get_objects():
         if not issubclass(type(o), tensor):  # (type(): isinstance would read lazy objects' __class__)
             continue
-        for t in (o, o.grad if o.is_leaf and o.requires_grad else None):
+        try:
+            grad = o.grad if o.is_leaf and o.requires_grad else None
+        except Exception:  # noqa: BLE001  (tensor subclasses whose attributes raise)
+            grad = None
+        for t in (o, grad):
             if t is None:
                 continue
             try:
