@@ -114,7 +114,7 @@ class ForeachKernel:
             _executor.block_arrays(outs)
         if targets is None:
             return [wrap_arrays(o, index) for o in outs]
-        left = range(n) if recording else _C._write_wholes(targets, list(outs))
+        left = _C._write_wholes(targets, list(outs))  # (placeholders too: they carry their shape and dtype)
         for i in left:
             _storage.write(targets[i], outs[i])
         return None
