@@ -216,8 +216,9 @@ def analyze(rec: Any, warmup: int, compare: dict[str, Any] | None, exc_info: dic
                            f"{statistics.median(tiny):.0f} of them on fewer than 4096 elements", None,
                            "outside a fused or compiled program each op is its own launch: on a TPU such small "
                            "ops are bound by dispatch, not compute",
-                           "torch.tpu.eager_mode = torch.tpu.EagerMode.DEFER_AND_FUSE, or torch.compile(model, "
-                           "backend='tpu')"))
+                           "torch.tpu.eager_mode = torch.tpu.EagerMode.DEFER_AND_FUSE, torch.compile(model, "
+                           "backend='tpu'), or capture the step once with torch.tpu.graph and replay() it (CUDA "
+                           "graphs' API: no Python per op)"))
     h2d = [s.h2d_bytes for s in steady]
     if h2d and statistics.median(h2d) >= (1 << 20):
         site = max(((k, v) for k, v in rec.transfers.items() if k[0] == "host to device"),
