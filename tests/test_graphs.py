@@ -4,6 +4,7 @@ checked against CPU PyTorch running the same steps eagerly."""
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -216,3 +217,37 @@ def test_a_view_of_a_captured_output_sees_each_replay():
     g.replay()
     torch.testing.assert_close(kept["view"].cpu(), x.cpu()[:2] * 3)
     torch.testing.assert_close(out.cpu(), x.cpu() * 3)
+
+
+@pytest.mark.parametrize("mode", ["global", "thread_local"])
+def test_another_thread_reading_a_captured_result_gets_an_error(mode):
+    """The value does not exist before replay(): the other thread's read raises; in "global" mode (CUDA's default)
+    that also fails the capture, in "thread_local" the capture goes on."""
+    a = torch.ones(3, device="tpu")
+    errors: list[str] = []
+    go, done = threading.Event(), threading.Event()
+
+    def reader():
+        go.wait(30)
+        try:
+            (a + 1).cpu()
+        except RuntimeError as e:
+            errors.append(str(e))
+        done.set()
+
+    t = threading.Thread(target=reader)
+    t.start()
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g, capture_error_mode=mode):
+        a.mul_(3)
+        go.set()
+        done.wait(30)
+    t.join(30)
+    assert len(errors) == 1 and "another thread" in errors[0]
+    if mode == "global":
+        with pytest.raises(RuntimeError, match="capture failed"):
+            g.replay()
+        assert a.cpu().tolist() == [1.0, 1.0, 1.0]
+    else:
+        g.replay()
+        assert a.cpu().tolist() == [3.0, 3.0, 3.0]

@@ -82,9 +82,10 @@ def _array_of(st: torch.UntypedStorage) -> Any:
 class _Capture:
     """One capture in progress: its graph, the storages it bound and the generator steps it drew."""
 
-    def __init__(self, index: int, owner: int) -> None:
+    def __init__(self, index: int, owner: int, mode: str = "global") -> None:
         self.index = index
         self.owner = owner
+        self.mode = mode
         self.graph: Any = None
         self.bound: dict[int, Bound] = {}
         self.draws: list[tuple[Any, Any]] = []
@@ -92,7 +93,18 @@ class _Capture:
         self.hook: Any = None
 
     def needs_value(self, reason: str) -> RuntimeError:
-        """The error of anything that needs a value (runs work) while this capture records (`_deferred.flush`)."""
+        """The error of anything that needs a value (runs work) while this capture records (`_deferred.flush`).
+        On the capturing thread it fails the capture; on another thread (a result of the capture has no value
+        yet) it fails the capture only in capture_error_mode "global" (the default), as CUDA's does."""
+        if _C._graph_owner() != self.owner:
+            e = RuntimeError(
+                f"torch_tpu: another thread needed the value of a tensor ({reason}) that a tpu graph capture is "
+                "recording on its own thread: it has no value until that graph's replay(). Read it after the "
+                "capture ends and the graph replays."
+            )
+            if self.error is None and self.mode in ("global", "default"):
+                self.error = e
+            return e
         e = RuntimeError(
             f"torch_tpu: a value was needed while a tpu graph was being captured ({reason}): a capture records "
             "work and runs none of it until replay(). Reading a tensor (.item(), .cpu(), printing, a Python "
@@ -160,7 +172,7 @@ class TPUGraph:
             raise RuntimeError("TPUGraph.capture_begin: this thread is capturing another tpu graph already")
         index = _C._current_device()
         _deferred.flush_thread("graph_capture")  # work issued before the capture runs now, outside it
-        cap = _Capture(index, owner)
+        cap = _Capture(index, owner, capture_error_mode)
         own = _deferred.set_thread_mode(EagerMode.DEFER_AND_FUSE)
         try:
             _deferred.reset_direct()  # every op is recorded (no one-op segment runs directly)
