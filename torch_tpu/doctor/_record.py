@@ -227,6 +227,8 @@ class Recorder(TorchDispatchMode):
     def _after_step(self, opt: Any, args: Any, kwargs: Any) -> None:
         if threading.get_ident() != self._thread:
             return
+        if torch.tpu.is_current_stream_capturing():
+            return  # a step recorded into a tpu graph runs nothing (and a wait for the device would end the capture)
         self.optimizer_steps += 1
         self._end_step()
         if self.max_steps is not None and self.optimizer_steps >= self.max_steps:
