@@ -762,6 +762,18 @@ def _interleaved(fns: dict[str, Callable[[], object]], calls: int, trials: int, 
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
+def _graphed(opt: torch.optim.Optimizer, step: Callable[[], torch.Tensor]) -> Callable[[], float]:
+    """`step` (zero_grad, forward, backward, opt.step(); returns the loss) captured once with torch.tpu.graph after
+    two warm-up steps, as CUDA graphs are used: a function that replays it and reads the loss."""
+    for _ in range(2):
+        step().item()
+    opt.zero_grad(set_to_none=True)
+    graph = torch.tpu.TPUGraph()
+    with torch.tpu.graph(graph):
+        static_loss = step()
+    return lambda: (graph.replay(), static_loss.item())[1]
+
+
 def _tpu_step_variants(mod, modes=("DEFER_NEVER", "DEFER_AND_FUSE"), whole_step: bool = True,
                        compiled_model: bool = True, graph: bool = False) -> dict[str, Callable[[], float]]:
     """Training steps of `mod` (build/optimizer) on tpu, each ending in loss.item(): one per eager mode, the whole
@@ -786,16 +798,10 @@ def _tpu_step_variants(mod, modes=("DEFER_NEVER", "DEFER_AND_FUSE"), whole_step:
 
         if kind == "compiled step":
             step = torch.compile(step, backend="tpu")
-        if kind == "graph":  # captured once with torch.tpu.graph after a warm-up, as CUDA graphs are used
+        if kind == "graph":
             for group in opt.param_groups:
                 group["capturable"] = True  # (as constructing it with capturable=True: the state is made at step 1)
-            for _ in range(2):
-                step().item()
-            opt.zero_grad(set_to_none=True)
-            graph = torch.tpu.TPUGraph()
-            with torch.tpu.graph(graph):
-                static_loss = step()
-            return lambda: (graph.replay(), static_loss.item())[1]
+            return _graphed(opt, step)
         if kind in ("DEFER_NEVER", "DEFER_AND_FUSE"):
             def run() -> float:
                 with torch.tpu.set_eager_mode(kind):
@@ -1049,18 +1055,15 @@ def _host_hf(quick: bool) -> None:
             data = data.to(device) if isinstance(data, torch.Tensor) else tuple(t.to(device) for t in data)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=kind == "graph")
             fwd = torch.compile(model, backend="tpu") if kind == "compiled model" else model
-            if kind == "graph":  # the step captured once (torch.tpu.graph) after a warm-up, then replayed
-                for _ in range(2):
+            if kind == "graph":
+                def whole(model=model, opt=opt, data=data, loss_of=loss_of) -> torch.Tensor:
                     opt.zero_grad(set_to_none=True)
-                    loss_of(model, data).backward()
+                    loss = loss_of(model, data)
+                    loss.backward()
                     opt.step()
-                opt.zero_grad(set_to_none=True)
-                graph = torch.tpu.TPUGraph()
-                with torch.tpu.graph(graph):
-                    static_loss = loss_of(model, data)
-                    static_loss.backward()
-                    opt.step()
-                fns[kind] = lambda graph=graph, static_loss=static_loss: (graph.replay(), static_loss.item())[1]
+                    return loss
+
+                fns[kind] = _graphed(opt, whole)
                 continue
             n_threads = 1 if kind == "cpu 1 thread" else threads
             mode = kind if kind.startswith("DEFER") else "DEFER_NEVER"

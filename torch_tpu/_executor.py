@@ -35,11 +35,7 @@ current_mode = _C._mode  # the calling thread's effective mode (an EagerMode val
 recording = _C._recording  # True when this thread's tpu ops are recorded (DEFER_AND_FUSE, not suspended)
 record = _deferred.record  # executors only: appends a call of arrays to the pending graph
 concrete = _deferred.concrete
-
-
-def capturing() -> bool:
-    """True while the calling thread's tpu work is captured into a graph (torch_tpu/_graphs.py)."""
-    return bool(_rng._capturing) and _C._graph_owner() in _rng._capturing
+capturing = _rng.capturing  # True while this thread's tpu work is captured into a graph (torch_tpu/_graphs.py)
 eagerly = _deferred.suspended
 _ids = itertools.count(1)
 _suspend = _C._suspend

@@ -91,6 +91,7 @@ class _Capture:
         self.draws: list[tuple[Any, Any]] = []
         self.error: BaseException | None = None
         self.hook: Any = None
+        self.own_mode = -1  # the thread's own mode before the capture (restored when it ends)
 
     def needs_value(self, reason: str) -> RuntimeError:
         """The error of anything that needs a value (runs work) while this capture records (`_deferred.flush`).
@@ -168,7 +169,7 @@ class TPUGraph:
             raise RuntimeError("TPUGraph.capture_begin: this graph holds a capture; call reset() before capturing "
                                "again")
         owner = _C._graph_owner()
-        if owner in _rng._capturing:
+        if _rng.capturing():
             raise RuntimeError("TPUGraph.capture_begin: this thread is capturing another tpu graph already")
         index = _C._current_device()
         _deferred.flush_thread("graph_capture")  # work issued before the capture runs now, outside it
@@ -196,7 +197,7 @@ class TPUGraph:
         except BaseException:
             self._undo(cap, own)
             raise
-        cap.own_mode = own  # type: ignore[attr-defined]
+        cap.own_mode = own
         self._cap = cap
 
     def _undo(self, cap: _Capture, own: int, outputs: list | None = None) -> None:
@@ -249,7 +250,7 @@ class TPUGraph:
             if cap.error is None and g.nodes:
                 self._compile(cap, outputs)
         finally:
-            self._undo(cap, cap.own_mode, outputs)  # type: ignore[attr-defined]
+            self._undo(cap, cap.own_mode, outputs)
         self._captured = True
         if cap.error is not None:
             self._failed = cap.error
@@ -271,7 +272,9 @@ class TPUGraph:
         self._writes = [(st, where[(p.node, p.out)], _runtime.torch_dtype(p.dtype)) for st, p in outputs]
         self._reads = [(i, a.storage, (a.shape, a.dtype)) for i, a in enumerate(inputs) if type(a) is Bound]
         self._draws = [(s.generator, pos.get(id(s)), pos.get(id(o))) for s, o in cap.draws]
-        self._template = [None if type(a) is Bound else a.value if type(a) is _rng.Drawn else a for a in inputs]
+        # What the program is compiled with: a Bound's array of the capture, a Drawn's draw of the capture.
+        concrete = [a.array if type(a) is Bound else a.value if type(a) is _rng.Drawn else a for a in inputs]
+        self._template = [None if type(a) is Bound else c for a, c in zip(inputs, concrete)]
         # Donated: the arrays of bound storages the program overwrites, matched to outputs of their shape and dtype
         # (XLA can reuse no others).
         written = {st._cdata for st, _ in outputs}
@@ -287,8 +290,7 @@ class TPUGraph:
                 donate.append(i)
         self._donate = tuple(donate)
         self._graph = g
-        self._program(self._donate,
-                      [a.array if type(a) is Bound else a.value if type(a) is _rng.Drawn else a for a in inputs])
+        self._program(self._donate, concrete)
 
     def _program(self, donate: tuple[int, ...], inputs: list[Any]) -> Any:
         """The program donating inputs `donate`, compiled (or loaded from the persistent cache) for `inputs` on
@@ -395,9 +397,7 @@ class TPUGraph:
         return f"TPUGraph({state}, {n} ops)"
 
 
-def is_current_stream_capturing() -> bool:
-    """True while the calling thread captures a tpu graph (`torch.cuda.is_current_stream_capturing`)."""
-    return _C._graph_owner() in _rng._capturing
+is_current_stream_capturing = _rng.capturing  # (`torch.cuda.is_current_stream_capturing`)
 
 
 class graph:

@@ -69,6 +69,11 @@ def program_draw(index: int) -> tuple[Any, Any]:
 _capturing: dict[int, list[tuple["Drawn", "Drawn"]]] = {}  # graph owner thread -> its capture's draws
 
 
+def capturing() -> bool:
+    """True while the calling thread's tpu work is captured into a graph (`torch.tpu.is_current_stream_capturing`)."""
+    return bool(_capturing) and _C._graph_owner() in _capturing
+
+
 class Drawn:
     """A (seed or offset) uint64 of a generator step drawn while a graph was captured: a program input."""
 
