@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from conftest import run_python
+
 
 def _capture(fn):
     g = torch.tpu.TPUGraph()
@@ -251,3 +253,21 @@ def test_another_thread_reading_a_captured_result_gets_an_error(mode):
     else:
         g.replay()
         assert a.cpu().tolist() == [3.0, 3.0, 3.0]
+
+
+def test_a_captured_tensor_moved_to_another_device_is_refused():
+    """A transfer needs the value now; inside a capture a bound tensor has none yet (it raised an obscure JAX
+    type error before)."""
+    r = run_python(
+        "import torch\n"
+        "x = torch.randn(4, device='tpu:0')\n"
+        "try:\n"
+        "    with torch.tpu.graph(torch.tpu.TPUGraph()):\n"
+        "        x.to('tpu:1')\n"
+        "except RuntimeError as e:\n"
+        "    print('refused:', e)\n"
+        "print('after', (x + 1).cpu().shape)\n",
+        env={"TORCH_TPU_NUM_DEVICES": "2"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "refused: torch_tpu: this tensor's storage is bound to a tpu graph being captured" in r.stdout
+    assert "(transfer)" in r.stdout and "after torch.Size([4])" in r.stdout

@@ -229,17 +229,20 @@ class Bound:
         return f"Bound(shape={self.shape}, dtype={self.dtype})"
 
 
-def _bound_read(x: Bound) -> None:
-    if recording() and x.graph.owner == _C._graph_owner():
-        return None  # the capture records it as an input
-    raise RuntimeError(
+def _bound_error(by: str) -> RuntimeError:
+    return RuntimeError(
         "torch_tpu: this tensor's storage is bound to a tpu graph being captured (torch.tpu.graph / "
-        "torch.accelerator.Graph), and its value was needed "
-        + ("by a kernel that runs eagerly (not recorded)" if x.graph.owner == _C._graph_owner() else
-           "by another thread")
-        + ". Inside a capture only recorded tpu ops may use it: read values after the capture ends (after "
-        "`replay()` for the captured results)."
+        f"torch.accelerator.Graph), and its value was needed {by}. Inside a capture only the capture's recorded "
+        "tpu ops may use it: read values after the capture ends (after `replay()` for the captured results)."
     )
+
+
+def _bound_read(x: Bound) -> None:
+    if x.graph.owner != _C._graph_owner():
+        raise _bound_error("by another thread")
+    if not recording():
+        raise _bound_error("by a kernel that runs eagerly (not recorded)")
+    return None  # the capture records it as an input
 
 
 def resolve(x: Any) -> Any:
@@ -259,6 +262,8 @@ def concrete(x: Any, reason: str = "value_needed") -> Any:
     """`x` with every Pending (also inside lists/tuples) replaced by its computed array (flushing if needed)."""
     if type(x) is Pending:
         return x.concrete(reason)
+    if type(x) is Bound:  # (a capture's input: its value at a replay is not known now)
+        raise _bound_error(f"as a concrete value ({reason})")
     if isinstance(x, (list, tuple)):
         return type(x)(concrete(v, reason) for v in x)
     _segment_end(x, reason)  # the read of an op that ran directly ends its segment (metrics count it as a flush)
@@ -442,7 +447,7 @@ def _arg(g: _Graph, a: Any) -> tuple[Any, Any]:
     if t is list or t is tuple:
         return _arg_list(g, a)
     if t is Bound and a.graph is not g:
-        _bound_read(a)  # (raises: another thread's or device's graph)
+        raise _bound_error("by an op recorded into another graph (another thread's, or another device's)")
     if hasattr(a, "shape") and hasattr(a, "dtype"):  # a device array (or numpy value, Bound, drawn RNG step)
         return _input(g, a)
     return ("c", a), ("c", a)  # a hashable constant
