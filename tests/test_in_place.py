@@ -52,6 +52,27 @@ def test_source_folders_are_used_in_place() -> None:
     assert so.name == "_C.so" and ("site-packages" in str(so) or so == (REPO / "bazel-bin/runtime/_C.so").resolve())
 
 
+def test_component_folders_do_not_shadow_top_level_packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the repository root, `kernels` and `distributed` are not top-level packages (the root is on sys.path,
+    but those folders are torch_tpu's): `import kernels` finds another installed package of that name (Hugging
+    Face's kernel hub, which transformers probes for) or nothing, and torch_tpu's own components still load."""
+    other = tmp_path / "site" / "kernels"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("WHO = 'the other kernels package'\n")
+    code = """
+import importlib.util, sys, torch, torch_tpu.kernels
+print("distributed", importlib.util.find_spec("distributed") is None)
+import kernels
+print("kernels", kernels.WHO)
+print("ours", torch_tpu.kernels.__file__)
+"""
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    r = _run_at(REPO, code)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "distributed True" in r.stdout and "kernels the other kernels package" in r.stdout, r.stdout
+    assert f"ours {REPO / 'kernels' / '__init__.py'}" in r.stdout, r.stdout
+
+
 def _copy_tree(dst: Path) -> Path:
     """A copy of the source tree's Python and C++ sources (the built _C is found through bazel-bin or the wheel)."""
     for name in ("torch_tpu", "kernels", "compile_cache", "distributed", "runtime"):

@@ -102,10 +102,57 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
+class _RootEntryFinder:
+    """The path entry finder of the repository root on sys.path: the root's own finder, except that the component
+    folders are not top-level packages. Without it, the root on sys.path makes `kernels/` the top-level package
+    `kernels` (Hugging Face's kernel hub, which transformers probes for at import: it then imported torch_tpu's
+    lowerings a second time and failed) and `distributed/` Dask's `distributed`; with it those names resolve
+    from the rest of sys.path, or are absent."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def find_spec(self, fullname: str, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname in COMPONENTS:
+            return None
+        return self.inner.find_spec(fullname, target)
+
+    def invalidate_caches(self) -> None:
+        self.inner.invalidate_caches()
+
+
+def _hide_components(root: str) -> None:
+    """Puts a _RootEntryFinder in sys.path_importer_cache for each sys.path entry that is the repository root
+    (the current directory's '' among them: PathFinder keys it by os.getcwd())."""
+    real_root = os.path.realpath(root)
+    for entry in list(sys.path):
+        key = entry or os.getcwd()
+        if not isinstance(key, str) or os.path.realpath(key) != real_root:
+            continue
+        inner = sys.path_importer_cache.get(key)
+        if isinstance(inner, _RootEntryFinder):
+            continue
+        if inner is None:
+            for hook in sys.path_hooks:
+                try:
+                    inner = hook(key)
+                    break
+                except ImportError:
+                    continue
+        if inner is not None:
+            sys.path_importer_cache[key] = _RootEntryFinder(inner)
+        for name in COMPONENTS:  # a component already imported as a top-level package (before torch_tpu)
+            mod = sys.modules.get(name)
+            if os.path.realpath(os.path.dirname(getattr(mod, "__file__", None) or "")) == os.path.join(real_root,
+                                                                                                      name):
+                del sys.modules[name]
+
+
 def install(package_dir: str) -> list[tuple[str, str]]:
     """Makes the source tree importable in place; returns the (folder, path inside the wheel) of each Python
     source folder (torch_tpu.`_SOURCE_FOLDERS`)."""
     root = os.path.dirname(package_dir)
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder(root))
+    _hide_components(root)
     return [(package_dir, "")] + [(os.path.join(root, c), c) for c in COMPONENTS]
