@@ -238,6 +238,211 @@ PyObject* py_fast_args(PyObject* /*self*/, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
+PyObject* int_tuple(c10::IntArrayRef v) {
+  PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(v.size()));
+  if (t == nullptr) return nullptr;
+  for (size_t i = 0; i < v.size(); ++i) {
+    PyObject* x = PyLong_FromLongLong(v[i]);
+    if (x == nullptr) {
+      Py_DECREF(t);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(t, static_cast<Py_ssize_t>(i), x);
+  }
+  return t;
+}
+
+// One tpu tensor of a _fast_args_ex call: 1 with *array (borrowed: its storage's array) and *geometry (new:
+// None when the tensor is that whole array, else (sizes, strides, storage offset)); 0 when the call declines (a
+// tensor on another device than *device, one with no array, a lazy bit, or a dtype other than its array's); -1
+// with a Python error set.
+int fast_tensor(PyObject* a, int* device, PyObject** array, PyObject** geometry) {
+  const at::Tensor& t = THPVariable_Unpack(a);
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (impl->device_type() != kTpu) return 0;
+  int idx = impl->device().index();
+  if (*device >= 0 && idx != *device) return 0;
+  TpuBuffer* buf = buffer_of(impl->unsafe_storage());
+  resolve_placeholder(buf);
+  if (buf->array == nullptr || buf->array_dtype != impl->dtype().toScalarType() || has_math_bits(impl)) return 0;
+  *device = idx;
+  *array = buf->array;
+  if (impl->storage_offset() == 0 && impl->sizes().equals(buf->array_shape) && impl->is_contiguous()) {
+    Py_INCREF(Py_None);
+    *geometry = Py_None;
+    return 1;
+  }
+  PyObject* sizes = int_tuple(impl->sizes());
+  PyObject* strides = sizes == nullptr ? nullptr : int_tuple(impl->strides());
+  if (strides == nullptr) {
+    Py_XDECREF(sizes);
+    return -1;
+  }
+  *geometry = Py_BuildValue("(NNL)", sizes, strides, static_cast<long long>(impl->storage_offset()));
+  return *geometry == nullptr ? -1 : 1;
+}
+
+// _fast_args_ex(args_tuple, static_mask) -> (device_index, mask, tuple of arrays/numbers/None, extra) or None.
+// The fast path of calls _fast_args declines, for ops whose leading arguments include static ones (int lists,
+// flags, dims: their positions set in static_mask) or tensor lists, and for tpu tensors that view their
+// storage's array in any other geometry (a transposed weight, a reshaped activation, a slice, a broadcast). Each
+// tpu tensor gives its storage's array, a tensor list the tuple of those (None for a None); a static argument
+// or a None gives None (the kernel's function has its value). `extra` is a hashable tuple that, with `mask`,
+// keys the call:
+//   (i, value) or (i, value, code) for each static argument (numbers with their mask code: 1 == True but not
+//   the same argument), (i, None) for a None at another position, (i, sizes, strides, offset) for a view: the
+//   function reads it from its storage's array as the slow path's reader does (torch_tpu/_storage.py view_of),
+//   (i, "list", elements) for a tensor list: per element None (a None), () (a whole array) or a view's
+//   (sizes, strides, offset).
+// A tensor with a lazy bit, a dtype other than its array's (a reinterpreting view) or no array declines.
+PyObject* py_fast_args_ex(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject* call;
+  long long static_mask;
+  if (!PyArg_ParseTuple(args, "OL", &call, &static_mask)) return nullptr;
+  if (!PyTuple_Check(call)) Py_RETURN_NONE;
+  Py_ssize_t n = PyTuple_GET_SIZE(call);
+  if (n > 30) Py_RETURN_NONE;
+  int device = -1;
+  long mask = 0;
+  PyObject* dyn = PyTuple_New(n);
+  if (dyn == nullptr) return nullptr;
+  PyObject* extra = PyList_New(0);
+  if (extra == nullptr) {
+    Py_DECREF(dyn);
+    return nullptr;
+  }
+  auto decline = [&]() -> PyObject* {
+    Py_DECREF(dyn);
+    Py_DECREF(extra);
+    Py_RETURN_NONE;
+  };
+  auto fail = [&]() -> PyObject* {
+    Py_DECREF(dyn);
+    Py_DECREF(extra);
+    return nullptr;
+  };
+  auto add_extra = [&](PyObject* item) -> bool {  // steals item
+    if (item == nullptr) return false;
+    int rc = PyList_Append(extra, item);
+    Py_DECREF(item);
+    return rc == 0;
+  };
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* a = PyTuple_GET_ITEM(call, i);
+    PyObject* v = Py_None;  // borrowed, except a tensor list's tuple (owned: set below without an INCREF)
+    bool owned = false;
+    long code = 0;
+    if ((static_mask >> i) & 1) {
+      long ncode = PyBool_Check(a) ? 1 : PyLong_CheckExact(a) ? 2 : PyFloat_CheckExact(a) ? 3 : 0;
+      PyObject* value;
+      if (PyList_Check(a)) {
+        value = PyList_AsTuple(a);
+      } else if (THPVariable_Check(a)) {
+        return decline();
+      } else {
+        Py_INCREF(a);
+        value = a;
+      }
+      if (value == nullptr) return fail();
+      if (PyObject_Hash(value) == -1) {  // not usable as a key: the slow path takes it
+        Py_DECREF(value);
+        PyErr_Clear();
+        return decline();
+      }
+      PyObject* item = ncode ? Py_BuildValue("(nNl)", i, value, ncode) : Py_BuildValue("(nN)", i, value);
+      if (!add_extra(item)) return fail();
+    } else if (a == Py_None) {
+      if (!add_extra(Py_BuildValue("(nO)", i, Py_None))) return fail();
+    } else if (PyBool_Check(a)) {
+      code = 1;
+      v = a;
+    } else if (PyLong_CheckExact(a)) {
+      code = 2;
+      v = a;
+    } else if (PyFloat_CheckExact(a)) {
+      code = 3;
+      v = a;
+    } else if (THPVariable_Check(a)) {
+      PyObject* geometry = nullptr;
+      int rc = fast_tensor(a, &device, &v, &geometry);
+      if (rc <= 0) return rc < 0 ? fail() : decline();
+      if (geometry != Py_None) {
+        PyObject* item = Py_BuildValue("(nOOO)", i, PyTuple_GET_ITEM(geometry, 0), PyTuple_GET_ITEM(geometry, 1),
+                                       PyTuple_GET_ITEM(geometry, 2));
+        Py_DECREF(geometry);
+        if (!add_extra(item)) return fail();
+      } else {
+        Py_DECREF(geometry);
+      }
+    } else if (PyList_Check(a) || PyTuple_Check(a)) {  // a tensor list (static lists are in static_mask)
+      PyObject* seq = PySequence_Fast(a, "");
+      if (seq == nullptr) return fail();
+      Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+      PyObject* arrays = PyTuple_New(m);
+      PyObject* elements = arrays == nullptr ? nullptr : PyTuple_New(m);
+      if (elements == nullptr) {
+        Py_XDECREF(arrays);
+        Py_DECREF(seq);
+        return fail();
+      }
+      int rc = 1;
+      for (Py_ssize_t j = 0; j < m && rc == 1; ++j) {
+        PyObject* e = PySequence_Fast_GET_ITEM(seq, j);
+        PyObject* array = Py_None;
+        PyObject* geometry;
+        if (e == Py_None) {
+          Py_INCREF(Py_None);
+          geometry = Py_None;
+        } else if (!THPVariable_Check(e)) {
+          rc = 0;
+          break;
+        } else {
+          rc = fast_tensor(e, &device, &array, &geometry);
+          if (rc != 1) break;
+          if (geometry == Py_None) {  // a whole array: () (None stands for a None element)
+            Py_DECREF(geometry);
+            geometry = PyTuple_New(0);
+            if (geometry == nullptr) {
+              rc = -1;
+              break;
+            }
+          }
+        }
+        Py_INCREF(array);
+        PyTuple_SET_ITEM(arrays, j, array);
+        PyTuple_SET_ITEM(elements, j, geometry);
+      }
+      Py_DECREF(seq);
+      if (rc != 1) {
+        Py_DECREF(arrays);
+        Py_DECREF(elements);
+        return rc < 0 ? fail() : decline();
+      }
+      if (!add_extra(Py_BuildValue("(nsN)", i, "list", elements))) {
+        Py_DECREF(arrays);
+        return fail();
+      }
+      v = arrays;
+      owned = true;
+    } else {
+      return decline();
+    }
+    if (!owned) Py_INCREF(v);
+    PyTuple_SET_ITEM(dyn, i, v);
+    mask |= code << (2 * i);
+  }
+  if (device < 0) return decline();
+  PyObject* key = PyList_AsTuple(extra);
+  Py_DECREF(extra);
+  if (key == nullptr) {
+    Py_DECREF(dyn);
+    return nullptr;
+  }
+  return Py_BuildValue("(ilNN)", device, mask, dyn, key);
+  END_HANDLE_TH_ERRORS
+}
+
 // _set_whole(t, array) -> bool: when `t` views its whole storage (offset 0, contiguous, all bytes) and
 // `array` has exactly t's shape and dtype, the storage now holds `array` (True). Else nothing changes (False).
 // The in-place fast path: a broadcast or dtype mismatch falls back to the checked slow path.
@@ -469,6 +674,7 @@ PyObject* py_set_dtype_map(PyObject* /*self*/, PyObject* map) {
 
 PyMethodDef kFastMethods[] = {
     {"_fast_args", py_fast_args, METH_O, "(device, mask, arrays) when every argument takes the fast path"},
+    {"_fast_args_ex", py_fast_args_ex, METH_VARARGS, "(device, mask, arrays, key) for static and relaid arguments"},
     {"_set_dtype_map", py_set_dtype_map, METH_O, "{numpy dtype: torch.dtype} used by _wrap"},
     {"_set_collector", py_set_collector, METH_O, "the compiled-program collector (torch_tpu._programs.collect)"},
     {"_set_collect_due", py_set_collect_due, METH_NOARGS, "run the collector at the next safe point"},

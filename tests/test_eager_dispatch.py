@@ -439,11 +439,12 @@ def test_data_pointers_stay_unique_when_threads_make_and_free_results() -> None:
 
 def test_which_calls_the_cpp_path_serves(monkeypatch) -> None:
     """Repeated calls of a training step's common ops (unary and binary elementwise, mm/addmm on whole arrays,
-    their in-place forms, Python scalars) never enter the Python kernel; unusual inputs (views, CPU 0-d
-    tensors, out=, kwargs the schema keeps as keywords) always do, and every result matches CPU."""
+    their in-place forms, Python scalars) never enter the Python kernel; views enter it and take its wider fast
+    path; unusual inputs (CPU 0-d tensors, out=, kwargs the schema keeps as keywords) always bind the schema,
+    and every result matches CPU."""
     from torch_tpu import _eager
 
-    slow: list[str] = []  # Python kernel entries: its own fast path (_fast_args) or its binding (bind)
+    slow: list[str] = []  # Python kernel entries: its fast paths (_fast_args, _fast_args_ex) or a binding (op name)
     bind, fast_args = _eager.OpKernel.bind, _eager._fast_args
 
     def counting_bind(self, args, kwargs):
@@ -454,9 +455,16 @@ def test_which_calls_the_cpp_path_serves(monkeypatch) -> None:
         slow.append("_fast_args")
         return fast_args(args)
 
+    fast_args_ex = _eager._fast_args_ex
+
+    def counting_fast_args_ex(args, static_mask):
+        slow.append("_fast_args_ex")
+        return fast_args_ex(args, static_mask)
+
     def count(on: bool) -> None:
         monkeypatch.setattr(_eager.OpKernel, "bind", counting_bind if on else bind)
         monkeypatch.setattr(_eager, "_fast_args", counting_fast_args if on else fast_args)
+        monkeypatch.setattr(_eager, "_fast_args_ex", counting_fast_args_ex if on else fast_args_ex)
 
     ac, bc, wc = torch.randn(4, 3), torch.randn(4, 3), torch.randn(3, 5)
     a, b, w = ac.to("tpu"), bc.to("tpu"), wc.to("tpu")
@@ -487,27 +495,136 @@ def test_which_calls_the_cpp_path_serves(monkeypatch) -> None:
         torch.testing.assert_close(r.cpu(), fn(*cpu), msg=name)
     two = torch.tensor(2.0)
     out = torch.empty(4, 3, device="tpu")
+    # Views (a transpose, a slice) enter the Python kernel and take its wider fast path (_fast_args_ex), which
+    # reads them inside the op's program without binding the schema.
+    views = {
+        "transposed operands": (lambda: torch.mm(w.t(), a.t()), lambda: torch.mm(wc.t(), ac.t())),
+        "slices": (lambda: a[1:] + b[1:], lambda: ac[1:] + bc[1:]),
+    }
     unusual = {
-        "transposed operand": (lambda: torch.mm(w.t(), a.t()), lambda: torch.mm(wc.t(), ac.t())),
-        "slice": (lambda: a[1:] + b[1:], lambda: ac[1:] + bc[1:]),
         "CPU 0-d tensor": (lambda: a * two, lambda: ac * two),
         "out=": (lambda: torch.add(a, b, out=out), lambda: ac + bc),
     }
-    for name, (fn, cpu_fn) in unusual.items():
+    for name, (fn, cpu_fn) in {**views, **unusual}.items():
         for _ in range(2):
             fn()
         count(True)
         slow.clear()
         r = fn()
         count(False)
-        assert any(n != "_fast_args" for n in slow), (name, slow)  # the Python kernel, with all its checks
+        if name in views:
+            assert slow == ["_fast_args", "_fast_args_ex"], (name, slow)
+        else:
+            assert set(slow) - {"_fast_args", "_fast_args_ex"}, (name, slow)  # bound: the kernel with its checks
         torch.testing.assert_close(r.cpu(), cpu_fn(), msg=name)
+
+
+@pytest.mark.parametrize("mode", [EagerMode.DEFER_NEVER, EagerMode.DEFER_AND_FUSE])
+def test_wider_fast_path_serves_static_args_views_and_tuples(monkeypatch, mode) -> None:
+    """Calls with static arguments (int lists, flags), None optional tensors, tensor lists, several results, or
+    views (a transposed weight, a reshaped or permuted activation, slices, a broadcast) take the Python kernel's
+    wider fast path (_C._fast_args_ex) on a repeat: no schema binding, in DEFER_NEVER and DEFER_AND_FUSE, every value
+    as CPU."""
+    from torch_tpu import _eager
+
+    xc, wc, bc = torch.randn(4, 6, 5), torch.randn(7, 5), torch.randn(5)
+    x, w, b = xc.to("tpu"), wc.to("tpu"), bc.to("tpu")
+    calls = {
+        "mm, transposed weight": lambda x, w, b: torch.mm(x.view(24, 5), w.t()),
+        "sum of a permuted view": lambda x, w, b: torch.sum(x.permute(2, 0, 1), dim=[1, 2], keepdim=True),
+        "layer norm, three results": lambda x, w, b: torch.native_layer_norm(x, [5], b, b, 1e-5),
+        "layer norm, None weight": lambda x, w, b: torch.native_layer_norm(x, [5], None, None, 1e-3),
+        "softmax of a transposed view": lambda x, w, b: torch.softmax(x.transpose(1, 2), dim=-1),
+        "slices of one storage": lambda x, w, b: x[1:, :, :3] * x[:-1, :, 2:],
+        "strided slice and a broadcast": lambda x, w, b: x[::2, 1::2] + b[:1].expand(5),
+        "mm of a row block, transposed": lambda x, w, b: torch.mm(w[2:5], x[0].t()),
+        "cat of a tensor and views": lambda x, w, b: torch.cat([x[0], w[1:7], x[3, :, :].t().reshape(6, 5)]),
+        "stack": lambda x, w, b: torch.stack((b, b * 2), dim=1),
+    }
+    binds: list[str] = []
+    bind = _eager.OpKernel.bind
+
+    def counting_bind(self, args, kwargs):
+        binds.append(self.name)
+        return bind(self, args, kwargs)
+
+    with torch.tpu.set_eager_mode(mode):
+        for name, fn in calls.items():
+            want = fn(xc, wc, bc)
+            for attempt in range(3):
+                if attempt == 2:
+                    binds.clear()
+                    monkeypatch.setattr(_eager.OpKernel, "bind", counting_bind)
+                got = fn(x, w, b)
+                monkeypatch.setattr(_eager.OpKernel, "bind", bind)
+                if attempt == 2:
+                    assert binds == [], (name, binds)
+                pairs = zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,))
+                for g, c in pairs:
+                    assert g.shape == c.shape and g.dtype == c.dtype, name
+                    torch.testing.assert_close(g.cpu(), c, msg=name)
+
+
+def test_wider_fast_path_entries_are_bounded(monkeypatch) -> None:
+    """A loop over many view geometries (`x[i]` for each i) installs at most _FAST_EX_ENTRIES entries per kernel;
+    later geometries take the slow path, with the same values."""
+    from torch_tpu import _eager
+
+    monkeypatch.setattr(_eager, "_FAST_EX_ENTRIES", 3)
+    xc = torch.randn(8, 5)
+    x = xc.to("tpu")
+    kernel = _kernel("atan2")
+    for _ in range(2):
+        for i in range(8):
+            torch.testing.assert_close(torch.atan2(x[i], x[7 - i]).cpu(), torch.atan2(xc[i], xc[7 - i]))
+    assert 0 < len(kernel._fast_ex) <= 3
+    with torch.tpu.set_eager_mode(EagerMode.DEFER_AND_FUSE):
+        for i in range(8):
+            torch.testing.assert_close(torch.atan2(x[i], x[i]).cpu(), torch.atan2(xc[i], xc[i]))
+    assert 0 < len(kernel._fast_rec) <= 3
+
+
+def test_wider_fast_path_keys() -> None:
+    """_C._fast_args_ex keys a call by its static values (1 and True apart), None positions, each view's geometry
+    (sizes, strides, storage offset) and a tensor list's elements; a reinterpreting view, a lazy bit, a CPU tensor or an unhashable
+    static value declines (the call binds the schema)."""
+    from torch_tpu import _C
+
+    a = torch.randn(4, 6, device="tpu")
+    x3 = torch.randn(2, 3, 4, device="tpu")
+    as_int, as_bool = _C._fast_args_ex((a, 1), 0b10), _C._fast_args_ex((a, True), 0b10)
+    assert as_int[3] != as_bool[3] and as_int[2][1] is None
+    dev, mask, dyn, key = _C._fast_args_ex((a, [0, 1], None), 0b10)
+    assert key == ((1, (0, 1)), (2, None)) and dyn[1] is None and dyn[2] is None
+    assert _C._fast_args_ex((a,), 0)[3] == ()  # a tensor that is its storage's array: no entry
+    views = {
+        "t": (a.t(), ((6, 4), (1, 6), 0)),
+        "view": (a.view(24), ((24,), (1,), 0)),
+        "permute": (x3.permute(2, 0, 1), ((4, 2, 3), (1, 12, 4), 0)),  # (x3's storage; the rest are a's)
+        "slice": (a[1:], ((3, 6), (6, 1), 6)),
+        "strided": (a[::2, 1::3], ((2, 2), (12, 3), 1)),
+        "expand": (a[:1].expand(3, 6), ((3, 6), (0, 1), 0)),
+    }
+    for name, (v, geometry) in views.items():
+        got = _C._fast_args_ex((v,), 0)
+        assert got[3] == ((0, *geometry),), name
+        assert got[2][0] is _C._storage_array(x3 if name == "permute" else a)[0], name  # the storage's array
+    # A tensor list: its arrays as a tuple, each element's None, () or view geometry in the key.
+    dev, mask, dyn, key = _C._fast_args_ex(([a, None, a[1:]], 0), 0b10)
+    assert key == ((0, "list", ((), None, ((3, 6), (6, 1), 6))), (1, 0, 2))
+    assert dyn[0][0] is dyn[0][2] is _C._storage_array(a)[0] and dyn[0][1] is None
+    assert _C._fast_args_ex(([a, torch.randn(2)], 0), 0b10) is None  # a CPU tensor in the list
+    complex_a = torch.randn(3, dtype=torch.complex64, device="tpu")
+    for declined in (a.view(torch.int32)[1:], complex_a.conj(), torch.randn(3)):
+        assert _C._fast_args_ex((declined,), 0) is None
+    assert _C._fast_args_ex((a, [[0]]), 0b10) is None  # an unhashable static value
 
 
 def test_an_op_compiles_once_for_its_first_two_calls(tmp_path) -> None:
     """The first call shaped for the fast path runs through the entry it installs: its program is compiled (or,
     on a warm start, loaded from the persistent cache) once, not once for the slow path's general callable and
-    again for the entry on the second call. Functional and in-place forms, cold and warm, values as CPU."""
+    again for the entry on the second call. Functional and in-place forms and the wider fast path's relaid operand,
+    cold and warm, values as CPU."""
     code = """
 import torch
 xc, yc = torch.randn(7, 13), torch.randn(7, 13)
@@ -523,14 +640,21 @@ base = programs()
 for _ in range(3):
     z.mul_(y)
 after_inplace = programs() - base
+wc = torch.randn(5, 13)
+w = wc.to("tpu")
+base = programs()
+outs_t = [torch.mm(x, w.t()) for _ in range(3)]  # the wider fast path (_fast_args_ex): a transposed operand
+after_relaid = programs() - base
+for o in outs_t:
+    torch.testing.assert_close(o.cpu(), xc @ wc.t())
 for o in outs:
     torch.testing.assert_close(o.cpu(), torch.atan2(xc, yc))
 torch.testing.assert_close(z.cpu(), xc * yc ** 3)
-print("PROGRAMS", after_functional, after_inplace)
+print("PROGRAMS", after_functional, after_inplace, after_relaid)
 """
     env = {"TORCH_TPU_CACHE_DIR": str(tmp_path / "cache")}
     for start in ("cold", "warm"):
         r = run_python(code, env=env)
         assert r.returncode == 0, r.stderr[-3000:]
         line = [ln for ln in r.stdout.splitlines() if ln.startswith("PROGRAMS")][-1]
-        assert line.split()[1:] == ["1", "1"], (start, line)
+        assert line.split()[1:] == ["1", "1", "1"], (start, line)

@@ -18,6 +18,7 @@ import torch
 from torch_tpu import _C, _checks, _executor, _memory, _metrics, _runtime, _storage
 
 _fast_args = _C._fast_args
+_fast_args_ex = _C._fast_args_ex
 _wrap = _C._wrap
 _set_whole = _C._set_whole
 _current_mode = _C._mode  # the calling thread's execution mode (torch_tpu/_deferred.py)
@@ -35,6 +36,7 @@ from torch_tpu.kernels._schema import (  # noqa: E402
     GENERATOR,
     OPT_TENSOR,
     SCALAR,
+    STATIC,
     TENSOR,
     TENSOR_LIST,
     Signature,
@@ -68,11 +70,25 @@ class OpKernel(Signature):
         ]
         # Fast path: every argument positional, tensors and scalars only.
         self.simple = all(k in (TENSOR, SCALAR) for k in self.kinds)
+        # The wider fast path (_C._fast_args_ex) of functional calls the one above declines: static arguments
+        # (int lists, flags, dims) keyed by value, None for optional tensors, several results, and views (a
+        # transposed weight, a reshaped activation, a slice) keyed by geometry and read inside the op's program.
+        # Keys: (args given, mask, None, the call's `extra`); values: jitted callables (DEFER_NEVER) here,
+        # recorded ones in _fast_rec.
+        self._fast_ex: dict[tuple, Callable[..., Any]] = {}
+        self._static_mask = sum(1 << i for i, k in enumerate(self.kinds) if k == STATIC)
+        self._fast_ex_ok = [
+            n <= 30
+            and all(k in (TENSOR, SCALAR, STATIC, OPT_TENSOR, TENSOR_LIST) for k in self.kinds[:n])
+            and all(d is not inspect.Parameter.empty for d in self.defaults[n:])
+            for n in range(len(self.kinds) + 1)
+        ]
         # The C++ kernels installed for the functional (False) and in-place (True) forms: handles of their tables.
         self._eager_handles: dict[bool, int] = {}
 
-    def prepare(self, vals: list) -> tuple[int, list, tuple, bool]:
-        """(device index, dynamic values, static key, any tpu input) with tensors read as device arrays."""
+    def prepare(self, vals: list, arrays: bool = True) -> tuple[int, list, tuple, bool]:
+        """(device index, dynamic values, static key, any tpu input) with tensors read as device arrays (without
+        `arrays`, None in their place: for a caller that needs only the key and the defaulted values)."""
         index = -1
         dev = None
         dyn: list[Any] = []
@@ -84,7 +100,7 @@ class OpKernel(Signature):
                 static.append(type(v))
             elif (k == TENSOR or k == OPT_TENSOR) and v is not None:  # (an undefined Tensor arrives as None)
                 index, dev = self._check_device(v, index, dev)
-                dyn.append(_storage.read(v) if v.device.type == "tpu" else v)  # CPU scalars: below
+                dyn.append(None if not arrays else _storage.read(v) if v.device.type == "tpu" else v)  # CPU: below
                 static.append(None)
             elif k == TENSOR_LIST:
                 arrs = []
@@ -93,7 +109,7 @@ class OpKernel(Signature):
                         arrs.append(None)
                         continue
                     index, dev = self._check_device(t, index, dev)
-                    arrs.append(_storage.read(t) if t.device.type == "tpu" else t)
+                    arrs.append(None if not arrays else _storage.read(t) if t.device.type == "tpu" else t)
                 dyn.append(arrs)
                 static.append(len(v))
             elif k == SCALAR:
@@ -166,8 +182,10 @@ class OpKernel(Signature):
         if kwargs:
             args, kwargs = self._positional(args, kwargs)
         fast = None
-        if not kwargs:
-            fast = _fast_args(args)
+        n = len(args)
+        if not kwargs and n < len(self._fast_ok):
+            # (an op with static arguments among these, or several results, never has an entry of the first kind)
+            fast = _fast_args(args) if self._fast_ok[n] and self.n_returns == 1 else None
             if fast is not None:
                 if not _current_mode():
                     fn = self._fast.get((len(args), fast[1], None))
@@ -181,6 +199,29 @@ class OpKernel(Signature):
                     entry = self._fast_rec.get((len(args), fast[1], None))
                     if entry is not None:
                         return _wrap(_executor.record(fast[0], entry[0], entry[1], fast[2]), None, fast[0])
+            elif self._fast_ex_ok[n]:
+                ex = _fast_args_ex(args, self._static_mask)
+                if ex is not None:
+                    key = (len(args), ex[1], None, ex[3])
+                    if not _current_mode():
+                        fn = self._fast_ex.get(key)
+                        if fn is not None:
+                            try:
+                                return wrap_arrays(fn(*ex[2]), ex[0])
+                            except RuntimeError:  # PJRT's RESOURCE_EXHAUSTED becomes torch.OutOfMemoryError
+                                _memory.raise_if_oom(ex[0], f"aten::{self.name}")
+                                raise
+                    elif _recording():
+                        entry = self._fast_rec.get(key)
+                        if entry is not None:
+                            return wrap_arrays(_executor.record(ex[0], entry[0], entry[1], ex[2]), ex[0])
+                    vals = self.bind(args, kwargs)
+                    out = self._first_ex_call(key, ex, vals)
+                    if out is not None:
+                        return wrap_arrays(out, ex[0])
+                    index, out = self.compute(vals)
+                    self._after_ex_call(key, vals, out)
+                    return wrap_arrays(out, index)
         vals = self.bind(args, kwargs)
         if not kwargs and fast is not None:
             out = self._first_fast_call(args, fast, vals, None)
@@ -189,6 +230,32 @@ class OpKernel(Signature):
         index, out = self.compute(vals)
         self._after_slow_call(args, kwargs, vals, out)
         return wrap_arrays(out, index)
+
+    def _first_ex_call(self, key: tuple, ex: tuple, vals: list) -> Any:
+        """The wider fast path's `_first_fast_call` (under DEFER_NEVER, the first call runs through the entry it
+        installs, so the program compiles once); None when the slow path must run."""
+        if _current_mode() or key in self._fast_ex or not self.lowering.jit or len(self._fast_ex) >= _FAST_EX_ENTRIES:
+            return None
+        fn = _jit(self.lowering, self._given_args(key[0], vals, None, _views(key[3])))
+        try:
+            out = fn(*ex[2])
+        except Exception:  # noqa: BLE001  (the slow path raises the op's own error, or PyTorch's)
+            return None
+        self._fast_ex[key] = fn
+        return out
+
+    def _after_ex_call(self, key: tuple, vals: list, out: Any) -> None:
+        """`_after_slow_call` of a call the wider fast path took: the recorded entry under DEFER_AND_FUSE."""
+        mode = _current_mode()
+        if mode == _executor.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
+            _executor.block_arrays(out)
+            return
+        if (not self.lowering.jit or not mode or not _recording() or key in self._fast_rec
+                or len(self._fast_rec) >= _FAST_EX_ENTRIES):
+            return
+        given_args = self._given_args(key[0], vals, None, _views(key[3]))
+        given_args._torch_tpu_op = f"aten::{self.name}"  # type: ignore[attr-defined]
+        self._fast_rec[key] = ((self.name, "fast", key), given_args)
 
     def _first_fast_call(self, args: tuple, fast: tuple, vals: list, inplace_dtype: torch.dtype | None) -> Any:
         """Under DEFER_NEVER, the first call shaped for the fast path (its entry missing) runs through the entry
@@ -245,14 +312,25 @@ class OpKernel(Signature):
         else:
             self._put_fast(key, self._make_fast(n, vals, inplace_dtype))
 
-    def _given_args(self, n: int, vals: list, inplace_dtype: torch.dtype | None) -> Callable[..., Any]:
-        """The lowering as a function of the first `n` arguments only (the rest as in `vals`), for the fast path."""
-        _, dyn, static, _ = self.prepare(vals)
+    def _given_args(self, n: int, vals: list, inplace_dtype: torch.dtype | None,
+                    views: tuple = ()) -> Callable[..., Any]:
+        """The lowering as a function of the first `n` arguments only (the rest as in `vals`), for the fast path;
+        `views` ((position, sizes, strides, storage offset) or (position, "list", elements), ...: _views) reads
+        those arguments, or tensor lists' elements, from their storages' arrays."""
+        _, dyn, static, _ = self.prepare(vals, arrays=False)
         run = self._traced(static, None)
         tail = tuple(dyn[n:])
         name = self.name
 
         def given_args(*given: Any) -> Any:
+            if views:
+                given = list(given)
+                for view in views:
+                    i = view[0]
+                    if view[1] == "list":  # a tensor list (a tuple here): a list, as the slow path gives it
+                        given[i] = [a if not g else _storage.view_of(a, *g) for a, g in zip(given[i], view[2])]
+                    else:
+                        given[i] = _storage.view_of(given[i], *view[1:])
             out = run(*given, *tail)
             if inplace_dtype is not None:  # new argument dtypes retrace this entry: PyTorch's cast rule, each time
                 _check_cast(name, _runtime.torch_dtype(out.dtype), inplace_dtype)
@@ -317,6 +395,19 @@ class OpKernel(Signature):
         if _current_mode() == _executor.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
             _executor.block_arrays(result)
         return outs[0] if n_out == 1 else tuple(outs)
+
+
+# Entries of the wider fast path per kernel and table: a loop over many view geometries (`x[i]` for each i) adds
+# one per geometry, as the slow path's readers do (_storage._reader, an LRU of 4096); past this many, calls of
+# new shapes take the slow path, so a long-running process does not keep every program it ever compiled.
+_FAST_EX_ENTRIES = 256
+
+
+def _views(extra: tuple) -> tuple:
+    """The entries of a _fast_args_ex key that say how to read an argument: (position, sizes, strides, storage
+    offset) of a view, (position, "list", per element None, () or a view's (sizes, strides, offset)) of a tensor
+    list."""
+    return tuple(e for e in extra if len(e) == 4 or (len(e) == 3 and e[1] == "list"))
 
 
 def _qualified(name: str) -> str:

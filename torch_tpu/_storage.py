@@ -102,6 +102,12 @@ def _read_flat(flat: Any, sizes: tuple[int, ...], strides: tuple[int, ...], offs
     return flat[_gather_index(sizes, strides, offset)]
 
 
+def view_of(base: Any, sizes: tuple[int, ...], strides: tuple[int, ...], offset: int) -> Any:
+    """The view (sizes, strides, storage offset) of a storage array `base` of the view's dtype, as traceable JAX:
+    what `read` computes, for a function that reads the view inside its own program (the eager fast path)."""
+    return _read_flat(base.reshape(-1), sizes, strides, offset)
+
+
 def _apply_bits(x: Any, conj: bool, neg: bool) -> Any:
     """The value a tensor with these lazy bits stands for, from its storage's elements (its own inverse)."""
     if conj and jnp.iscomplexobj(x):
