@@ -241,7 +241,12 @@ def test_deepcopy_and_save_load_of_moved_module(tpu):
     x = torch.randint(0, VOCAB, (5,))
     m.eval(), lm.eval(), fresh.eval()
     for other in (lm, fresh):
-        torch.testing.assert_close(other(x.to(tpu)).cpu(), m(x.to(tpu)).cpu(), rtol=0, atol=0)
+        for a, b in zip(other.parameters(), m.parameters()):  # the same weights, bit for bit
+            torch.testing.assert_close(a.cpu(), b.cpu(), rtol=0, atol=0)
+        # The same outputs to float32 rounding, not bit for bit: the loaded module's storages hold the checkpoint's
+        # bytes until first written, so its ops read their weight views in a separate program, while the original's
+        # read them inside the op's own (the eager fast path); XLA may sum a dot in another order between the two.
+        torch.testing.assert_close(other(x.to(tpu)).cpu(), m(x.to(tpu)).cpu(), rtol=1e-6, atol=1e-6)
 
 
 def test_move_with_pending_fused_values(tpu):
