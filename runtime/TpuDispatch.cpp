@@ -93,9 +93,7 @@ PyObject* whole_array(c10::TensorImpl* impl, int* device) {
   if (*device >= 0 && idx != *device) return nullptr;
   TpuBuffer* buf = buffer_of(impl->unsafe_storage());
   dispatch_resolve_pending(buf);
-  if (buf->array == nullptr || buf->array_dtype != impl->dtype().toScalarType() ||
-      !impl->sizes().equals(buf->array_shape) || !impl->is_contiguous() || has_math_bits(impl))
-    return nullptr;
+  if (!views_whole_array(impl, buf)) return nullptr;
   *device = idx;
   return buf->array;
 }

@@ -104,9 +104,7 @@ PyObject* py_array(PyObject* /*self*/, PyObject* obj) {
   if (impl->device_type() != kTpu || impl->storage_offset() != 0) Py_RETURN_NONE;
   TpuBuffer* buf = buffer_of(impl->unsafe_storage());
   resolve_placeholder(buf);
-  if (buf->array == nullptr || buf->array_dtype != impl->dtype().toScalarType()) Py_RETURN_NONE;
-  auto sizes = impl->sizes();
-  if (!sizes.equals(buf->array_shape) || !impl->is_contiguous() || has_math_bits(impl)) Py_RETURN_NONE;
+  if (!views_whole_array(impl, buf)) Py_RETURN_NONE;
   Py_INCREF(buf->array);
   return buf->array;
   END_HANDLE_TH_ERRORS
@@ -214,9 +212,7 @@ PyObject* py_fast_args(PyObject* /*self*/, PyObject* args) {
       int idx = impl->device().index();
       TpuBuffer* buf = buffer_of(impl->unsafe_storage());
       resolve_placeholder(buf);
-      if ((device >= 0 && idx != device) || buf->array == nullptr ||
-          buf->array_dtype != impl->dtype().toScalarType() || !impl->sizes().equals(buf->array_shape) ||
-          !impl->is_contiguous() || has_math_bits(impl)) {
+      if ((device >= 0 && idx != device) || !views_whole_array(impl, buf)) {
         Py_DECREF(dyn);
         Py_RETURN_NONE;
       }
@@ -267,7 +263,7 @@ int fast_tensor(PyObject* a, int* device, PyObject** array, PyObject** geometry)
   if (buf->array == nullptr || buf->array_dtype != impl->dtype().toScalarType() || has_math_bits(impl)) return 0;
   *device = idx;
   *array = buf->array;
-  if (impl->storage_offset() == 0 && impl->sizes().equals(buf->array_shape) && impl->is_contiguous()) {
+  if (views_whole_array(impl, buf)) {
     Py_INCREF(Py_None);
     *geometry = Py_None;
     return 1;
@@ -510,9 +506,8 @@ PyObject* py_whole_arrays(PyObject* /*self*/, PyObject* args) {
     TpuBuffer* buf = buffer_of(impl->unsafe_storage());
     resolve_placeholder(buf);
     PyObject* arr = buf->array;
-    if (arr == nullptr || (!placeholders && reinterpret_cast<PyObject*>(Py_TYPE(arr)) != g_array_type) ||
-        buf->array_dtype != impl->dtype().toScalarType() || !impl->sizes().equals(buf->array_shape) ||
-        !impl->is_contiguous() || has_math_bits(impl)) {
+    if (!views_whole_array(impl, buf) ||
+        (!placeholders && reinterpret_cast<PyObject*>(Py_TYPE(arr)) != g_array_type)) {
       Py_DECREF(out);
       Py_RETURN_NONE;
     }

@@ -49,6 +49,12 @@ int64_t live_buffers();
 // A tensor with a lazy conjugate or negative bit stands for the conjugate/negation of its storage's elements: the
 // whole-array fast paths decline it, so the Python storage layer (torch_tpu/_storage.py) resolves the bit.
 inline bool has_math_bits(const c10::TensorImpl* impl) { return impl->is_conj() || impl->is_neg(); }
+// True when `impl` is all of its buffer's array as it stands (offset 0, the array's dtype and shape, contiguous,
+// no lazy bit): the fast paths hand the array itself to a program. False for a buffer with no array.
+inline bool views_whole_array(const c10::TensorImpl* impl, const TpuBuffer* buf) {
+  return buf->array != nullptr && impl->storage_offset() == 0 && buf->array_dtype == impl->dtype().toScalarType() &&
+         impl->sizes().equals(buf->array_shape) && impl->is_contiguous() && !has_math_bits(impl);
+}
 
 // ---- devices (TpuGuard.cpp) ----
 // Number of devices. Starts the runtime (PJRT client) on first use through a Python callback.

@@ -202,7 +202,7 @@ class OpKernel(Signature):
             elif self._fast_ex_ok[n]:
                 ex = _fast_args_ex(args, self._static_mask)
                 if ex is not None:
-                    key = (len(args), ex[1], None, ex[3])
+                    key = (n, ex[1], None, ex[3])
                     if not _current_mode():
                         fn = self._fast_ex.get(key)
                         if fn is not None:
@@ -236,7 +236,7 @@ class OpKernel(Signature):
         installs, so the program compiles once); None when the slow path must run."""
         if _current_mode() or key in self._fast_ex or not self.lowering.jit or len(self._fast_ex) >= _FAST_EX_ENTRIES:
             return None
-        fn = _jit(self.lowering, self._given_args(key[0], vals, None, _views(key[3])))
+        fn = self._make_fast(key[0], vals, None, _views(key[3]))
         try:
             out = fn(*ex[2])
         except Exception:  # noqa: BLE001  (the slow path raises the op's own error, or PyTorch's)
@@ -253,9 +253,7 @@ class OpKernel(Signature):
         if (not self.lowering.jit or not mode or not _recording() or key in self._fast_rec
                 or len(self._fast_rec) >= _FAST_EX_ENTRIES):
             return
-        given_args = self._given_args(key[0], vals, None, _views(key[3]))
-        given_args._torch_tpu_op = f"aten::{self.name}"  # type: ignore[attr-defined]
-        self._fast_rec[key] = ((self.name, "fast", key), given_args)
+        self._fast_rec[key] = self._recorded_entry(key, vals, None, _views(key[3]))
 
     def _first_fast_call(self, args: tuple, fast: tuple, vals: list, inplace_dtype: torch.dtype | None) -> Any:
         """Under DEFER_NEVER, the first call shaped for the fast path (its entry missing) runs through the entry
@@ -306,9 +304,7 @@ class OpKernel(Signature):
         if key in table:
             return
         if recorded:
-            given_args = self._given_args(n, vals, inplace_dtype)
-            given_args._torch_tpu_op = f"aten::{self.name}"  # type: ignore[attr-defined]
-            self._fast_rec[key] = ((self.name, "fast", key), given_args)
+            self._fast_rec[key] = self._recorded_entry(key, vals, inplace_dtype)
         else:
             self._put_fast(key, self._make_fast(n, vals, inplace_dtype))
 
@@ -340,8 +336,17 @@ class OpKernel(Signature):
         given_args.__name__ = run.__name__  # the program's name: the aten overload (kernels/_schema.py _traced)
         return given_args
 
-    def _make_fast(self, n: int, vals: list, inplace_dtype: torch.dtype | None) -> Callable[..., Any]:
-        return _jit(self.lowering, self._given_args(n, vals, inplace_dtype))
+    def _make_fast(self, n: int, vals: list, inplace_dtype: torch.dtype | None,
+                   views: tuple = ()) -> Callable[..., Any]:
+        return _jit(self.lowering, self._given_args(n, vals, inplace_dtype, views))
+
+    def _recorded_entry(self, key: tuple, vals: list, inplace_dtype: torch.dtype | None,
+                        views: tuple = ()) -> tuple[Any, Callable[..., Any]]:
+        """A _fast_rec entry: (the node key DEFER_AND_FUSE records, the unjitted callable); key[0] is the number
+        of arguments given."""
+        given_args = self._given_args(key[0], vals, inplace_dtype, views)
+        given_args._torch_tpu_op = f"aten::{self.name}"  # type: ignore[attr-defined]
+        return (self.name, "fast", key), given_args
 
     def _put_fast(self, key: tuple[int, int, torch.dtype | None], fn: Callable[..., Any]) -> None:
         self._fast[key] = fn
