@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -32,13 +33,67 @@ def _check_mask(mask: Any) -> None:
         )
 
 
-@lower("masked_fill.Scalar", "masked_fill.Tensor")
+# The C++ type names of Scalar::to<T>'s overflow error ("value cannot be converted to type int8_t ...").
+_SCALAR_NAMES = {jnp.dtype(k): v for k, v in {
+    jnp.uint8: "uint8_t", jnp.int8: "int8_t", jnp.int16: "int16_t", jnp.int32: "int", jnp.int64: "int64_t",
+    jnp.float16: "c10::Half", jnp.bfloat16: "c10::BFloat16", jnp.float32: "float", jnp.float64: "double",
+    jnp.complex64: "c10::complex<float>", jnp.complex128: "c10::complex<double>",
+}.items()}
+
+
+def _overflows(v: Any, to: Any) -> Any:
+    """c10's overflows<To, From>: whether the real (float64 or int64) array `v` does not fit dtype `to`; None when
+    it always fits."""
+    if jnp.issubdtype(to, jnp.complexfloating):
+        to = jnp.finfo(to).dtype
+    if jnp.issubdtype(v.dtype, jnp.integer):
+        if jnp.issubdtype(to, jnp.inexact):  # only float16 is narrower than int64
+            big = int(jnp.finfo(to).max)
+            return (v < -big) | (v > big) if big < 2**63 else None
+        if to == jnp.int64:
+            return None
+        info = jnp.iinfo(to)
+        if info.min == 0:  # negative values wrap into an unsigned type, down to -max
+            return (v > info.max) | (v < -info.max)
+        return (v < info.min) | (v > info.max)
+    if jnp.issubdtype(to, jnp.integer):  # no NaN, no infinity
+        info = jnp.iinfo(to)
+        return jnp.isnan(v) | (v < float(info.min)) | (v > float(info.max))
+    if to == jnp.float64:
+        return None
+    big = float(jnp.finfo(to).max)
+    return ~jnp.isinf(v) & ((v < -big) | (v > big))  # infinities convert; NaN compares false
+
+
+def _report_value_overflow(op: str, value: Any, dtype: Any) -> None:
+    """ATen's Scalar::to<T> of the fill value (its checked_convert), on the device: a complex value with an
+    imaginary part into a real type, or a value out of the type's range. A bool target converts unchecked."""
+    v = jnp.asarray(value)
+    if dtype == jnp.bool_ or v.dtype == jnp.bool_ or dtype not in _SCALAR_NAMES:
+        return
+    if jnp.issubdtype(v.dtype, jnp.complexfloating):
+        v = v.astype(jnp.complex128)
+        parts = [_overflows(v.real, dtype), _overflows(v.imag, dtype)]
+        if not jnp.issubdtype(dtype, jnp.complexfloating):
+            parts.append(v.imag != 0)
+    else:
+        parts = [_overflows(v.astype(jnp.int64 if jnp.issubdtype(v.dtype, jnp.integer) else jnp.float64), dtype)]
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return
+    bad = functools.reduce(jnp.logical_or, parts)
+    report_bad_index(op, bad.astype(jnp.int64), 1, error=RuntimeError,
+                     message=f"value cannot be converted to type {_SCALAR_NAMES[dtype]} without overflow")
+
+
+@lower("masked_fill.Scalar", "masked_fill.Tensor", checks=True)
 def masked_fill(self: Any, mask: Any, value: Any) -> Any:
-    _check_mask(mask)
     if getattr(value, "ndim", 0) != 0:
         raise RuntimeError(
             f"masked_fill_ only supports a 0-dimensional value tensor, but got tensor with {value.ndim} dimension(s)."
         )
+    _check_mask(mask)
+    _report_value_overflow("masked_fill", value, self.dtype)
     return jnp.where(mask, jnp.asarray(value).astype(self.dtype), self)
 
 

@@ -38,8 +38,10 @@ def roll(self: Any, shifts: Sequence[int], dims: Sequence[int] = ()) -> Any:
         return jnp.roll(self.reshape(-1), shifts[0]).reshape(self.shape)
     if len(shifts) != len(dims):
         raise RuntimeError(f"shifts and dimensions must align. shifts: {len(shifts)}, dims:{len(dims)}")
-    if self.ndim == 0:
+    if self.size == 0:  # ATen returns a clone before looking at the dims
         return self
+    if self.ndim == 0:
+        raise IndexError(f"Dimension specified as {dims[0]} but tensor has no dimensions")
     return jnp.roll(self, tuple(shifts), axis=tuple(_wrap_dim(d, self.ndim) for d in dims))
 
 

@@ -91,14 +91,25 @@ def unfold_backward(grad_in: Any, input_sizes: Sequence[int], dim: int, size: in
 
 @lower("cat")
 def cat(tensors: Sequence[Any], dim: int = 0) -> Any:
+    # ATen's cat meta function, in its order: 0-d inputs, dim wrapped by the first non-skipped input, then each
+    # non-skipped input's rank and sizes against that one.
+    for i, t in enumerate(tensors):
+        if t.ndim == 0:
+            raise RuntimeError(f"zero-dimensional tensor (at position {i}) cannot be concatenated")
     if len(tensors) == 0:
         raise RuntimeError("torch.cat(): expected a non-empty list of Tensors")
     dtype = result_dtype(*tensors)
     # Legacy behaviour kept by PyTorch: 1-D empty tensors are skipped whatever the other shapes.
-    parts = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)]
-    if not parts:
+    kept = [(i, t) for i, t in enumerate(tensors) if not (t.ndim == 1 and t.shape[0] == 0)]
+    if not kept:
         return jnp.zeros((0,), dtype)
-    nd = parts[0].ndim
-    if nd == 0:
-        raise RuntimeError("zero-dimensional tensor (at position 0) cannot be concatenated")
-    return jnp.concatenate([t.astype(dtype) for t in parts], axis=dim % nd)
+    first = kept[0][1]
+    dim = _wrap_dim(dim, first.ndim)
+    for i, t in kept:
+        if t.ndim != first.ndim:
+            raise RuntimeError(f"Tensors must have same number of dimensions: got {first.ndim} and {t.ndim}")
+        for d, (a, b) in enumerate(zip(first.shape, t.shape)):
+            if d != dim and a != b:
+                raise RuntimeError(f"Sizes of tensors must match except in dimension {dim}. Expected size {a} "
+                                   f"but got size {b} for tensor number {i} in the list.")
+    return jnp.concatenate([t.astype(dtype) for _, t in kept], axis=dim)
