@@ -13,6 +13,98 @@ from torch_tpu.kernels.registry import lower
 # ---- convolution ----
 
 
+_SPATIAL_NAMES = ("depth", "height", "width")
+
+
+def _check_conv(
+    input: Any, weight: Any, bias: Any, stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
+    transposed: bool, output_padding: Sequence[int], groups: int,
+) -> None:
+    """CPU's errors for a bad convolution, from static shapes: at::_convolution's argument checks
+    (check_shape_forward), then those of the CPU kernels it dispatches to a non-empty input (which see a 1-d
+    convolution as a 2-d one of height 1, and so print it)."""
+    nd = weight.ndim - 2
+    if nd <= 0:
+        raise RuntimeError("weight should have at least three dimensions")
+    if groups <= 0:
+        raise RuntimeError("non-positive groups is not supported")
+    params = {"stride": stride, "padding": padding, "dilation": dilation, "output_padding": output_padding}
+    for name, v in params.items():
+        v = [v] if isinstance(v, int) else list(v)
+        if len(v) not in (1, nd):
+            raise RuntimeError(f"expected {name} to be a single integer value or a list of {nd} values to match the "
+                               f"convolution dimensions, but got {name}={v}")
+        params[name] = _expand(v, nd)
+    stride, padding, dilation, output_padding = params.values()
+    if min(padding) < 0:
+        raise RuntimeError("negative padding is not supported")
+    if min(output_padding) < 0:
+        raise RuntimeError("negative output_padding is not supported")
+    if min(stride) <= 0:
+        raise RuntimeError("non-positive stride is not supported")
+    if min(dilation) < 0:
+        raise RuntimeError("dilation should be greater than zero")
+    x, w = list(input.shape), list(weight.shape)
+    if len(x) != len(w):
+        raise RuntimeError(f"Expected {len(w)}-dimensional input for {len(w)}-dimensional weight {w}, but got "
+                           f"{len(x)}-dimensional input of size {x} instead")
+    if w[0] < groups:
+        raise RuntimeError(f"Given groups={groups}, expected weight to be at least {groups} at dimension 0, but got "
+                           f"weight of size {w} instead")
+    if w[0] % groups:
+        raise RuntimeError(f"Given groups={groups}, expected weight to be divisible by {groups} at dimension 0, but "
+                           f"got weight of size [{w}] instead")
+    channels, out_channels = (w[0], w[1] * groups) if transposed else (w[1] * groups, w[0])
+    given = "transposed=1" if transposed else f"groups={groups}"
+    if x[1] != channels:
+        raise RuntimeError(f"Given {given}, weight of size {w}, expected input{x} to have {channels} channels, but "
+                           f"got {x[1]} channels instead")
+    if bias is not None and (bias.ndim != 1 or bias.shape[0] != out_channels):
+        raise RuntimeError(f"Given {'transposed=1, ' if transposed else ''}weight of size {w}, expected bias to be "
+                           f"1-dimensional with {out_channels} elements, but got bias of size {list(bias.shape)} "
+                           "instead")
+    if not transposed:
+        padded = [i + 2 * p for i, p in zip(x[2:], padding)]
+        kernel = [d * (k - 1) + 1 for k, d in zip(w[2:], dilation)]
+        if any(p < k for p, k in zip(padded, kernel)):
+            raise RuntimeError(f"Calculated padded input size per channel: ({' x '.join(map(str, padded))}). Kernel "
+                               f"size: ({' x '.join(map(str, kernel))}). Kernel size can't be greater than actual "
+                               "input size")
+    if x[0] == 0 or x[1] == 0:
+        return  # ATen computes an empty batch or channel dim without a kernel
+
+    def view(v: Sequence[int], one: int) -> list[int]:
+        return [one, *v] if nd == 1 else list(v)
+
+    def named(what: str, v: Sequence[int], sep: str = " ") -> str:
+        return sep.join(f"{what}_{n}: {e}" for n, e in zip(_SPATIAL_NAMES[3 - len(v):], v))
+
+    if 0 in x:
+        raise RuntimeError(f"Only zero batch or zero channel inputs are supported, but got input shape: "
+                           f"{x[:2] + view(x[2:], 1)}")
+    kernel, dilation = view(w[2:], 1), view(dilation, 1)
+    if min(kernel) <= 0:  # worded by the kernel CPU picks: dilated, 3-d, or the rest
+        got = (f" {kernel}" if not transposed and set(dilation) != {1} else
+               f": {' x '.join(map(str, kernel))} (TxHxW)" if not transposed and nd == 3 else
+               f" {named('kernel', kernel)}")
+        raise RuntimeError(f"kernel size should be greater than zero, but got{got}")
+    if min(dilation) <= 0:
+        got = named("dilation", dilation, ", ") if transposed else dilation
+        raise RuntimeError(f"dilation should be greater than zero, but got {got}")
+    if transposed:
+        stride, padding, output_padding = view(stride, 1), view(padding, 0), view(output_padding, 0)
+        if any(op >= s and op >= d for op, s, d in zip(output_padding, stride, dilation)):
+            raise RuntimeError(f"output padding must be smaller than either stride or dilation, but got "
+                               f"{named('output_padding', output_padding)} {named('stride', stride)} "
+                               f"{named('dilation', dilation)}")
+        size = view(x[2:], 1)
+        out = [(i - 1) * s - 2 * p + d * (k - 1) + 1 + op
+               for i, s, p, d, k, op in zip(size, stride, padding, dilation, kernel, output_padding)]
+        if min(out) < 1:
+            raise RuntimeError(f"Given input size per channel: ({' x '.join(map(str, size))}). Calculated output "
+                               f"size per channel: ({' x '.join(map(str, out))}). Output size is too small")
+
+
 def _conv(
     input: Any, weight: Any, stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
     transposed: bool, output_padding: Sequence[int], groups: int,
@@ -76,6 +168,7 @@ def convolution(
     input: Any, weight: Any, bias: Any, stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
     transposed: bool, output_padding: Sequence[int], groups: int,
 ) -> Any:
+    _check_conv(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
     out = _conv(input, weight, stride, padding, dilation, transposed, output_padding, groups)
     if bias is not None:
         out = out + _opmath(bias).reshape((1, -1) + (1,) * (out.ndim - 2))
@@ -88,6 +181,7 @@ def convolution_backward(
     padding: Sequence[int], dilation: Sequence[int], transposed: bool, output_padding: Sequence[int],
     groups: int, output_mask: Sequence[bool],
 ) -> tuple[Any, Any, Any]:
+    _check_conv(input, weight, None, stride, padding, dilation, transposed, output_padding, groups)
     def f(x: Any, w: Any) -> Any:
         return _conv(x, w, stride, padding, dilation, transposed, output_padding, groups)
 
