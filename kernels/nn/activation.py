@@ -10,9 +10,10 @@ import numpy as np
 import torch
 
 from torch_tpu import _executor, _runtime, _storage
+from torch_tpu._checks import report_bad_index
 from torch_tpu._jax import jax, jnp, lax
 from torch_tpu._rng import draw as _philox, key as _rng_key
-from torch_tpu.kernels._promote import wrap_arrays
+from torch_tpu.kernels._promote import dtype_name, wrap_arrays
 from torch_tpu.kernels.nn._common import _as, _is_float, _opmath
 from torch_tpu.kernels.registry import direct, lower
 
@@ -21,8 +22,9 @@ from torch_tpu.kernels.registry import direct, lower
 
 
 def _check_float(name: str, x: Any) -> None:
+    """ATen's dispatch over the floating dtypes of its kernel `name`."""
     if not _is_float(x):
-        raise RuntimeError(f"\"{name}\" not implemented for '{_runtime.torch_dtype(x.dtype)}'")
+        raise NotImplementedError(f"\"{name}\" not implemented for '{dtype_name(_runtime.torch_dtype(x.dtype))}'")
 
 
 @lower("relu")
@@ -75,7 +77,7 @@ def gelu_backward(grad_output: Any, self: Any, approximate: str = "none") -> Any
 
 @lower("silu")
 def silu(self: Any) -> Any:
-    _check_float("silu", self)
+    _check_float("silu_cpu", self)
     x = _opmath(self)
     return (x * jax.nn.sigmoid(x)).astype(self.dtype)
 
@@ -102,7 +104,7 @@ def leaky_relu_backward(grad_output: Any, self: Any, negative_slope: Any, self_i
 
 @lower("elu")
 def elu(self: Any, alpha: Any = 1, scale: Any = 1, input_scale: Any = 1) -> Any:
-    _check_float("elu", self)
+    _check_float("elu_cpu", self)
     x = _opmath(self)
     return jnp.where(x <= 0, jnp.expm1(x * input_scale) * alpha * scale, x * scale).astype(self.dtype)
 
@@ -146,7 +148,7 @@ def hardswish_backward(grad_output: Any, self: Any) -> Any:
 
 @lower("hardsigmoid")
 def hardsigmoid(self: Any) -> Any:
-    _check_float("hardsigmoid", self)
+    _check_float("hardsigmoid_cpu", self)
     x = _opmath(self)
     return (jnp.clip(x + 3, 0, 6) / 6).astype(self.dtype)
 
@@ -159,7 +161,7 @@ def hardsigmoid_backward(grad_output: Any, self: Any) -> Any:
 
 @lower("softplus")
 def softplus(self: Any, beta: Any = 1, threshold: Any = 20) -> Any:
-    _check_float("softplus", self)
+    _check_float("softplus_cpu", self)
     x = _opmath(self)
     return jnp.where(x * beta > threshold, x, jnp.log1p(jnp.exp(x * beta)) / beta).astype(self.dtype)
 
@@ -173,7 +175,7 @@ def softplus_backward(grad_output: Any, self: Any, beta: Any, threshold: Any) ->
 
 @lower("mish")
 def mish(self: Any) -> Any:
-    _check_float("mish", self)
+    _check_float("mish_cpu", self)
     x = _opmath(self)
     return (x * jnp.tanh(jnp.log1p(jnp.exp(x)))).astype(self.dtype)
 
@@ -248,9 +250,16 @@ def _prelu_kernel_backward(grad_output: Any, self: Any, weight: Any) -> tuple[An
     return grad_input.astype(self.dtype), grad_weight.astype(weight.dtype)
 
 
-@lower("softshrink")
+@lower("softshrink", checks=True)
 def softshrink(self: Any, lambd: Any = 0.5) -> Any:
-    _check_float("softshrink_cpu", self)
+    _check_float("softshrink_check", self)
+    # lambd is traced (its value is not known while tracing): its range is checked on the device, raised at the
+    # next synchronization point.
+    top = float(jnp.finfo(self.dtype).max)
+    out_of_range = ~((lambd >= 0) & (jnp.asarray(lambd, jnp.float64) <= top))
+    report_bad_index("softshrink", out_of_range.astype(jnp.int32), 1, error=RuntimeError,
+                     message=f"lambda must be in range [0, {top:.6g}] for input dtype "
+                             f"{dtype_name(_runtime.torch_dtype(self.dtype))}, but found a value outside it")
     x = _opmath(self)
     return jnp.where(x > lambd, x - lambd, jnp.where(x < -lambd, x + lambd, 0)).astype(self.dtype)
 

@@ -7,9 +7,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from torch_tpu import _runtime
 from torch_tpu._checks import report_bad_index
 from torch_tpu._jax import jax, jnp, lax
-from torch_tpu.kernels.nn._common import _grad_scale, _opmath, _reduce
+from torch_tpu.kernels._promote import dtype_name
+from torch_tpu.kernels.nn._common import _grad_scale, _is_float, _opmath, _reduce
 from torch_tpu.kernels.registry import DEFAULT, lower
 
 
@@ -176,11 +178,41 @@ def binary_cross_entropy_with_logits(
     return _reduce(loss, reduction).astype(self.dtype)
 
 
+def _check_margin_loss(kernel: str, self: Any, target: Any, weight: Any = None, multilabel: bool = False) -> None:
+    """ATen's multi_margin_loss_shape_check / multilabel_margin_loss_shape_check (LossMulti.h), then the dtype checks
+    of its CPU kernel `kernel` (skipped, as there, for an empty input)."""
+    shape, tshape = list(self.shape), list(target.shape)
+    if not ((self.ndim == 2 and shape[1] != 0) or (self.ndim == 1 and shape[0] != 0) or self.ndim == 0):
+        raise RuntimeError(f"Expected non-empty vector or matrix with optional 0-dim batch size, but got: {shape}")
+    nframe, dim = (shape[0], shape[1]) if self.ndim == 2 else (1, shape[0] if self.ndim else 1)
+    if multilabel:
+        if not (target.ndim <= 1 and target.size == dim if self.ndim <= 1 else tshape == shape):
+            raise RuntimeError(f"inconsistent target size: {tshape} for input of size: {shape}")
+    else:
+        if target.ndim > 1 or target.size != nframe:
+            raise RuntimeError("multi_margin_loss: target tensor should be 1-D with size equal to the number of input "
+                               f"samples (batch size). Expected target size [{nframe}], but got {tshape}. Input has "
+                               f"shape {shape}.")
+        if weight is not None and (weight.ndim > 1 or weight.size != dim):
+            raise RuntimeError(f"inconsistent weight size, expected {dim} but got {list(weight.shape)}")
+    if self.size == 0:
+        return
+
+    def name(x: Any) -> str:
+        return dtype_name(_runtime.torch_dtype(x.dtype))
+
+    if not _is_float(self) or jnp.issubdtype(self.dtype, jnp.complexfloating):
+        raise NotImplementedError(f"\"{kernel}\" not implemented for '{name(self)}'")
+    if target.dtype != jnp.int64:
+        raise RuntimeError(f"expected scalar type Long but found {name(target)}")
+    if weight is not None and weight.dtype != self.dtype:
+        raise RuntimeError(f"expected scalar type {name(self)} but found {name(weight)}")
+
+
 def _multi_margin_terms(self: Any, target: Any, p: Any, margin: Any, weight: Any) -> tuple[Any, Any, Any, Any]:
     """(x, hinge margins z = margin - x[y] + x[j] masked to j != y and z > 0, sample weights, one-hot of y)."""
     x = _opmath(self)
-    if x.ndim <= 1:
-        x, target = x.reshape(1, -1), target.reshape(1)
+    x, target = x.reshape(-1, x.shape[-1] if x.ndim else 1), target.reshape(-1).astype(jnp.int64)
     onehot = target[:, None] == jnp.arange(x.shape[1])[None, :]
     picked = jnp.take_along_axis(x, target[:, None], axis=1)
     z = margin - picked + x
@@ -192,11 +224,12 @@ def _multi_margin_terms(self: Any, target: Any, p: Any, margin: Any, weight: Any
 @lower("multi_margin_loss", checks=True)
 def multi_margin_loss(self: Any, target: Any, p: Any = 1, margin: Any = 1, weight: Any = None,
                       reduction: int = 1) -> Any:
+    _check_margin_loss("multi_margin_loss_cpu_kernel", self, target, weight)
     report_bad_index("multi_margin_loss", target, self.shape[-1] if self.ndim else 1, error=RuntimeError,
                      message="{op}(): target out of range: target {value} with {size} classes")
     x, z, w, _ = _multi_margin_terms(self, target, p, margin, weight)
     per = jnp.sum(jnp.where(p == 1, z, z * z) * w, axis=1) / x.shape[1]
-    if reduction == 0 and self.ndim <= 1:
+    if reduction == 0 and target.ndim == 0:  # ATen: a 0-dim target gives a 0-dim result
         per = per.reshape(())
     return _reduce(per, reduction).astype(self.dtype)
 
@@ -204,6 +237,7 @@ def multi_margin_loss(self: Any, target: Any, p: Any = 1, margin: Any = 1, weigh
 @lower("multi_margin_loss_backward")
 def multi_margin_loss_backward(grad_output: Any, self: Any, target: Any, p: Any, margin: Any, weight: Any = None,
                                reduction: int = 1) -> Any:
+    _check_margin_loss("multi_margin_loss_backward_cpu_kernel", self, target, weight)
     x, z, w, onehot = _multi_margin_terms(self, target, p, margin, weight)
     g = _opmath(grad_output)
     g = g.reshape(-1, 1) if reduction == 0 else (g / x.shape[0] if reduction == 1 else g)
@@ -404,9 +438,6 @@ def ctc_loss_backward_tensor(grad: Any, log_probs: Any, targets: Any, input_leng
 
 def _multilabel_terms(self: Any, target: Any) -> tuple[Any, Any, Any, Any]:
     """(x (N, C), hinge terms (N, K, C) masked to valid targets k and non-target classes, is_target (N, C), N)."""
-    if self.ndim > 2 or target.shape != self.shape:
-        raise RuntimeError(f"multilabel_margin_loss: inconsistent target size: {list(target.shape)} for input of "
-                           f"size: {list(self.shape)}")
     x = _opmath(self).reshape(-1, self.shape[-1] if self.ndim else 1)
     t = target.reshape(x.shape).astype(jnp.int32)
     valid = jnp.cumprod((t != -1).astype(jnp.int32), axis=1).astype(bool)  # targets end at the first -1
@@ -423,6 +454,7 @@ def _multilabel_terms(self: Any, target: Any) -> tuple[Any, Any, Any, Any]:
 def multilabel_margin_loss_forward(self: Any, target: Any, reduction: int) -> tuple[Any, Any]:
     """(loss, is_target): per sample, the hinge 1 - (x[y] - x[i]) over its targets y (up to the first -1) and
     the classes i that are not targets, divided by the number of classes."""
+    _check_margin_loss("multilabel_margin_loss_forward_out_frame", self, target, multilabel=True)
     n_classes = self.shape[-1] if self.ndim else 1
     live = jnp.cumprod((target.reshape(-1, n_classes) != -1).astype(jnp.int32), axis=1).astype(bool)
     report_bad_index("multilabel_margin_loss", jnp.where(live, target.reshape(live.shape), 0), n_classes,
@@ -431,12 +463,13 @@ def multilabel_margin_loss_forward(self: Any, target: Any, reduction: int) -> tu
     per = jnp.sum(z, axis=(1, 2)) / x.shape[1]
     if reduction == 0 and self.ndim <= 1:
         per = per.reshape(())
-    return _reduce(per, reduction).astype(self.dtype), is_target.reshape(self.shape).astype(self.dtype)
+    return _reduce(per, reduction).astype(self.dtype), is_target.reshape(target.shape).astype(self.dtype)
 
 
 @lower("multilabel_margin_loss_backward")
 def multilabel_margin_loss_backward(grad_output: Any, self: Any, target: Any, reduction: int,
                                     is_target: Any) -> Any:
+    _check_margin_loss("multilabel_margin_loss_backward_out_frame", self, target, multilabel=True)
     x, z, _, ts = _multilabel_terms(self, target)
     active = (z > 0).astype(x.dtype) / x.shape[1]  # (N, K, C)
     grad = jnp.sum(active, axis=1)  # + for the non-target class i

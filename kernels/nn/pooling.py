@@ -21,8 +21,31 @@ from torch_tpu.kernels.registry import direct, lower
 # ---- pooling ----
 
 
+_NUMBERS = {2: "two", 3: "three"}
+
+
+def _pool_arg(op: str, arg: str, v: Sequence[int], nd: int) -> tuple[int, ...]:
+    """`v` expanded to nd values, with ATen's check of its length (stride may be empty: the kernel size)."""
+    v = tuple(v)
+    if len(v) not in ((0, 1, nd) if arg == "stride" else (1, nd)):
+        either = "" if op == "avg_pool3d" else "either "
+        if arg == "dilation":
+            raise RuntimeError(f"{op}: dilation must be {either}a single int, or a tuple of {_NUMBERS[nd]} ints")
+        omitted = "omitted, " if arg == "stride" else ""
+        raise RuntimeError(f"{op}: {arg} must {either}be {omitted}a single int, or a tuple of {_NUMBERS[nd]} ints")
+    return _expand(v, nd) if v else ()
+
+
 def _pool_out_size(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
-    """ATen's pooling_output_shape."""
+    """ATen's pooling_output_shape, with its checks."""
+    if s == 0:
+        raise RuntimeError("stride should not be zero")
+    if p < 0:
+        raise RuntimeError(f"pad must be non-negative, but got pad: {p}")
+    effective = (k - 1) * d + 1
+    if p > (abs(effective) // 2) * (1 if effective >= 0 else -1):  # C++ division truncates
+        raise RuntimeError(f"pad should be at most half of effective kernel size, but got pad={p}, "
+                           f"kernel_size={k} and dilation={d}")
     out = (size + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil_mode else 0)) // s + 1
     if ceil_mode and (out - 1) * s >= size + p:
         out -= 1
@@ -30,23 +53,60 @@ def _pool_out_size(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -
 
 
 def _pool_params(
-    name: str, x: Any, nd: int, kernel_size: Sequence[int], stride: Sequence[int], padding: Sequence[int],
-    dilation: Sequence[int], ceil_mode: bool,
+    op: str, x: Any, nd: int, kernel_size: Sequence[int], stride: Sequence[int], padding: Sequence[int],
+    dilation: Sequence[int] | None, ceil_mode: bool, divisor_override: int | None = None,
 ) -> tuple[tuple[int, ...], ...]:
-    """(kernel, stride, padding, dilation, output size) per spatial dim, with ATen's checks."""
-    if x.ndim not in (nd + 1, nd + 2):
-        raise RuntimeError(f"{name}: Expected {nd + 1}D or {nd + 2}D input tensor, but got {x.ndim}D")
-    k = _expand(kernel_size, nd)
-    s = _expand(stride, nd) if len(tuple(stride)) else k
-    p, d = _expand(padding, nd), _expand(dilation, nd)
-    if any(pp > kk // 2 for pp, kk in zip(p, k)):
-        raise RuntimeError(f"pad should be at most half of effective kernel size, but got pad={p[0]}, "
-                           f"kernel_size={k[0]} and dilation={d[0]}")
+    """(kernel, stride, padding, dilation, output size) per spatial dim of max_pool{nd}d (`dilation` given) or
+    avg_pool{nd}d (None), with ATen's checks in ATen's order (its meta functions, then pooling_output_shape per
+    dim, then pool2d_shape_check / pool3d_shape_check of ATen/native/Pool.h)."""
+    k = _pool_arg(op, "kernel_size", kernel_size, nd)
+    s = _pool_arg(op, "stride", stride, nd) or k
+    p = _pool_arg(op, "padding", padding, nd)
+    d = _pool_arg(op, "dilation", dilation, nd) if dilation is not None else (1,) * nd
+    if (dilation is not None or nd == 3) and x.ndim not in (nd + 1, nd + 2):
+        raise RuntimeError(f"non-empty {nd + 1}D or {nd + 2}D (batch mode) tensor expected for input")
+    if divisor_override is not None and divisor_override == 0:
+        raise RuntimeError("divisor must be not zero")
+    if x.ndim < nd + 1:  # avg_pool2d reads input.size(-3)
+        raise IndexError("Dimension specified as -3 but tensor has no dimensions" if x.ndim == 0 else
+                         f"Dimension out of range (expected to be in range of [{-x.ndim}, {x.ndim - 1}], but got -3)")
     sizes = x.shape[-nd:]
     out = tuple(_pool_out_size(n, kk, ss, pp, dd, ceil_mode) for n, kk, ss, pp, dd in zip(sizes, k, s, p, d))
-    if any(o <= 0 for o in out):
-        raise RuntimeError(f"Given input size: {tuple(x.shape)}. Calculated output size: {out}. "
-                           "Output size is too small")
+    dims = ("T", "H", "W")[3 - nd:]
+
+    def got(name: str, v: Sequence[int]) -> str:  # "kH: 3 kW: 0"
+        return " ".join(f"{name}{dim}: {vv}" for dim, vv in zip(dims, v))
+
+    if min(k) <= 0:
+        raise RuntimeError(f"kernel size should be greater than zero, but got {got('k', k)}")
+    if min(s) <= 0:
+        raise RuntimeError(f"stride should be greater than zero, but got {got('d', s)}")
+    if min(d) <= 0:
+        raise RuntimeError(f"dilation should be greater than zero, but got {got('dilation', d)}")
+    shape = list(x.shape)
+    if nd == 2:
+        if not ((x.ndim == 3 and 0 not in shape) or (x.ndim == 4 and 0 not in shape[1:])):
+            raise RuntimeError("Expected 3D or 4D (batch mode) tensor with optional 0 dim batch size for input, "
+                               f"but got:{shape}")
+        if any(pp > kk // 2 for pp, kk in zip(p, k)):
+            raise RuntimeError("pad should be smaller than or equal to half of kernel size, but got "
+                               f"padW = {p[1]}, padH = {p[0]}, kW = {k[1]}, kH = {k[0]}")
+    else:
+        fn = "max_pool3d_with_indices_out_cpu_template()" if dilation is not None else "avg_pool3d()"
+        for n in shape[x.ndim - 4:]:
+            if n == 0:
+                raise RuntimeError(f"{fn}: Expected input's non-batch dimensions to have positive length, but input "
+                                   f"has a shape of {shape} and non-batch dimension 0 has length zero!")
+        if dilation is None and any(n < kk for n, kk in zip(sizes, k)):
+            raise RuntimeError(f"input image (T: {sizes[0]} H: {sizes[1]} W: {sizes[2]}) smaller than kernel size "
+                               f"(kT: {k[0]} kH: {k[1]} kW: {k[2]})")
+        if any(pp > kk // 2 for pp, kk in zip(p, k)):
+            raise RuntimeError(f"pad should be smaller than or equal to half of kernel size, but got kT: {k[0]} "
+                               f"kW: {k[2]} kH: {k[1]} padT: {p[0]} padW: {p[2]} padH: {p[1]}")
+    if min(out) < 1:
+        planes = x.shape[-nd - 1]
+        raise RuntimeError(f"Given input size: ({'x'.join(map(str, (planes, *sizes)))}). Calculated output size: "
+                           f"({'x'.join(map(str, (planes, *out)))}). Output size is too small")
     return k, s, p, d, out
 
 
@@ -210,9 +270,8 @@ def _avg_pool_forward(
     count_include_pad: bool, divisor_override: int | None,
 ) -> Any:
     """Average pooling in x's opmath dtype (integers: truncating division, as PyTorch's CPU kernel)."""
-    k, s, p, _, out = _pool_params("avg_pool", x, nd, kernel_size, stride, padding, (1,), ceil_mode)
-    if divisor_override is not None and divisor_override == 0:
-        raise RuntimeError("divisor must be not zero")
+    k, s, p, _, out = _pool_params(f"avg_pool{nd}d", x, nd, kernel_size, stride, padding, None, ceil_mode,
+                                   divisor_override)
     sizes = x.shape[-nd:]
     lead = x.ndim - nd
     xo = _opmath(x)
@@ -325,12 +384,31 @@ def adaptive_avg_pool3d_backward_out(grad_output: torch.Tensor, self: torch.Tens
     return grad_input
 
 
-@lower("adaptive_max_pool2d", "adaptive_max_pool3d")
-def adaptive_max_pool(self: Any, output_size: Sequence[int]) -> tuple[Any, Any]:
-    _check_adaptive("adaptive_max_pool", self, output_size)
-    nd = len(output_size)
-    windows = [_adaptive_windows(n, o) for n, o in zip(self.shape[self.ndim - nd:], output_size)]
-    return _max_over_windows(self, windows)
+def _adaptive_max_pool(nd: int) -> Callable[..., tuple[Any, Any]]:
+    def adaptive_max_pool(self: Any, output_size: Sequence[int]) -> tuple[Any, Any]:
+        """ATen's adaptive_max_pool{nd}d meta checks, in its order, then the max of each window."""
+        op = f"adaptive_max_pool{nd}d()"
+        shape = list(self.shape)
+        if self.ndim not in (nd + 1, nd + 2):
+            raise RuntimeError(f"{op}: Expected {nd + 1}D or {nd + 2}D tensor, but got: {shape}")
+        for i in range(1, self.ndim):
+            if shape[i] == 0:
+                raise RuntimeError(f"{op}: Expected input to have non-zero size for non-batch dimensions, but input "
+                                   f"has sizes {shape} with dimension {i} being empty")
+        if len(output_size) != nd:
+            raise RuntimeError(f"{op}: internal error: output_size.size() must be {nd}")
+        out_shape = shape[:self.ndim - nd] + list(output_size)
+        for o in output_size:
+            if o < 0:
+                raise RuntimeError(f"Trying to create tensor with negative dimension {o}: {out_shape}")
+        windows = [_adaptive_windows(n, o) for n, o in zip(self.shape[self.ndim - nd:], output_size)]
+        return _max_over_windows(self, windows)
+
+    return adaptive_max_pool
+
+
+lower("adaptive_max_pool2d")(_adaptive_max_pool(2))
+lower("adaptive_max_pool3d")(_adaptive_max_pool(3))
 
 
 @lower("adaptive_max_pool2d_backward")
