@@ -13,12 +13,17 @@ from torch_tpu import _executor, _rng, _runtime, _storage
 from torch_tpu._jax import jax, jnp
 from torch._prims_common.wrappers import _maybe_resize_out
 
-from torch_tpu.kernels._promote import wrap_arrays
+from torch_tpu.kernels._promote import dtype_name, wrap_arrays
 from torch_tpu.kernels.registry import direct
 
 
 def _on(index: int) -> Any:
     return jax.sharding.SingleDeviceSharding(_runtime.device(index))
+
+
+def _num(v: Any) -> str:
+    """A number as ATen's messages print it (C++ stream formatting: 3, -1.5, 1e+07)."""
+    return f"{v:g}" if isinstance(v, float) else str(v)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -66,14 +71,17 @@ def arange_start_out(start: Any, end: Any, step: Any = 1, *, out: torch.Tensor) 
     if step == 0:
         raise RuntimeError("step must be nonzero")
     if not all(math.isfinite(float(v)) for v in (start, end)):
-        raise RuntimeError(f"unsupported range: {start} -> {end}")
+        raise RuntimeError(f"unsupported range: {_num(float(start))} -> {_num(float(end))}")
     if (step > 0 and start > end) or (step < 0 and start < end):
-        raise RuntimeError("upper bound and larger bound inconsistent with step sign")
+        raise RuntimeError("upper bound and lower bound inconsistent with step sign")
     integral = not out.dtype.is_floating_point and not out.dtype.is_complex
-    if integral and all(isinstance(v, int) for v in (start, end, step)):
-        n = (end - start + step - (1 if step > 0 else -1)) // step
-    else:
-        n = math.ceil((float(end) - float(start)) / float(step))
+    n = math.ceil((float(end) - float(start)) / float(step))
+    if integral:  # CPU steps in int64: the start and step (and int64's end) truncate toward zero
+        start, step = int(start), int(step)
+        if out.dtype == torch.int64:
+            if step == 0:
+                raise ValueError("step must be nonzero")
+            n = (int(end) - start + step - (1 if step > 0 else -1)) // step
     n = max(int(n), 0)
     if tuple(out.shape) != (n,):
         out.resize_((n,))
@@ -155,15 +163,34 @@ def _check_float(op: str, t: torch.Tensor) -> None:
 def normal_(self: torch.Tensor, mean: float = 0.0, std: float = 1.0, *, generator: Any = None) -> torch.Tensor:
     _check_float("normal_", self)
     if std < 0:
-        raise RuntimeError(f"normal expects std >= 0.0, but found std {std}")
+        raise RuntimeError(f"normal expects std >= 0.0, but found std {_num(std)}")
     return _fill_random(self, generator, _normal_sampler, float(mean), float(std))
+
+
+_CPP_NAMES = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
+              torch.bfloat16: "c10::BFloat16"}
+
+
+def _check_uniform_bounds(self: torch.Tensor, from_: float, to: float) -> None:
+    """ATen's check_uniform_bounds: a float (or complex's component) dtype, bounds and width it can hold."""
+    dtype = self.dtype.to_real() if self.dtype.is_complex else self.dtype
+    if not dtype.is_floating_point:
+        raise NotImplementedError(f"\"check_uniform_bounds\" not implemented for '{dtype_name(self.dtype)}'")
+    info = torch.finfo(dtype)
+    for name, v in (("from", from_), ("to", to)):
+        if not info.min <= v <= info.max:
+            raise RuntimeError(f"{name} is out of bounds for {_CPP_NAMES.get(dtype, dtype_name(dtype))}")
+    if from_ > to:
+        raise RuntimeError(f"uniform_ expects to return a [from, to) range, but found from={_num(from_)} > "
+                           f"to={_num(to)}")
+    if to - from_ > info.max:
+        raise RuntimeError(f"uniform_ expects to-from <= std::numeric_limits<{dtype_name(dtype)}>::max(), but found "
+                           f"to={_num(to)} and from={_num(from_)} which result in to-from to exceed the limit")
 
 
 @direct("uniform_", defer=True)
 def uniform_(self: torch.Tensor, from_: float = 0.0, to: float = 1.0, *, generator: Any = None) -> torch.Tensor:
-    _check_float("uniform_", self)
-    if from_ > to:
-        raise RuntimeError(f"uniform_ expects to return a [from, to) range, but found from={from_} > to={to}")
+    _check_uniform_bounds(self, from_, to)
     return _fill_random(self, generator, _uniform_sampler, float(from_), float(to))
 
 
@@ -200,7 +227,7 @@ def random_from(self: torch.Tensor, from_: int, to: int | None = None, *, genera
 @direct("bernoulli_.float", defer=True)
 def bernoulli_float_(self: torch.Tensor, p: float = 0.5, *, generator: Any = None) -> torch.Tensor:
     if not 0 <= p <= 1:
-        raise RuntimeError(f"bernoulli_ expects p to be in [0, 1], but got p={p}")
+        raise RuntimeError(f"bernoulli_ expects p to be in [0, 1], but got p={_num(p)}")
     return _fill_random(self, generator, _bernoulli_sampler, float(p))
 
 
@@ -225,14 +252,14 @@ def bernoulli_p(self: torch.Tensor, p: float, *, generator: Any = None) -> torch
 def exponential_(self: torch.Tensor, lambd: float = 1.0, *, generator: Any = None) -> torch.Tensor:
     _check_float("exponential_", self)
     if lambd <= 0:
-        raise RuntimeError(f"exponential_ expects lambda > 0.0, but found lambda={lambd}")
+        raise RuntimeError(f"exponential_ expects lambda > 0.0, but found lambda={_num(lambd)}")
     return _fill_random(self, generator, _exponential_sampler, float(lambd))
 
 
 @direct("geometric_", defer=True)
 def geometric_(self: torch.Tensor, p: float, *, generator: Any = None) -> torch.Tensor:
     if not 0 < p < 1:
-        raise RuntimeError(f"geometric_ expects p to be in (0, 1), but got p={p}")
+        raise RuntimeError(f"geometric_ expects p to be in (0, 1), but got p={_num(p)}")
     return _fill_random(self, generator, _geometric_sampler, float(p))
 
 
@@ -240,13 +267,15 @@ def geometric_(self: torch.Tensor, p: float, *, generator: Any = None) -> torch.
 def log_normal_(self: torch.Tensor, mean: float = 1.0, std: float = 2.0, *, generator: Any = None) -> torch.Tensor:
     _check_float("log_normal_", self)
     if std <= 0:
-        raise RuntimeError(f"log_normal_ expects std > 0.0, but found std={std}")
+        raise RuntimeError(f"log_normal_ expects std > 0.0, but found std={_num(std)}")
     return _fill_random(self, generator, _log_normal_sampler, float(mean), float(std))
 
 
 @direct("cauchy_", defer=True)
 def cauchy_(self: torch.Tensor, median: float = 0.0, sigma: float = 1.0, *, generator: Any = None) -> torch.Tensor:
     _check_float("cauchy_", self)
+    if not sigma > 0:
+        raise RuntimeError(f"cauchy_ expects sigma > 0.0, but found sigma={_num(sigma)}")
     return _fill_random(self, generator, _cauchy_sampler, float(median), float(sigma))
 
 
@@ -297,10 +326,18 @@ def randperm_out_default(n: int, *, out: torch.Tensor) -> torch.Tensor:
     return randperm_out(n, generator=None, out=out)
 
 
+def _check_no_internal_overlap(out: torch.Tensor) -> None:
+    """ATen's out= check for a written-to tensor whose elements share memory (an expanded tensor)."""
+    if any(stride == 0 and size > 1 for size, stride in zip(out.shape, out.stride())):
+        raise RuntimeError("unsupported operation: more than one element of the written-to tensor refers to a single "
+                           "memory location. Please clone() the tensor before performing the operation.")
+
+
 def _out_form(fn: Any) -> Any:
     """The out= overload of a direct functional kernel: compute, resize `out` like PyTorch, copy in."""
 
     def out_kernel(*args: Any, out: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        _check_no_internal_overlap(out)
         result = fn(*args, **kwargs)
         _maybe_resize_out(out, tuple(result.shape))
         return out.copy_(result)
@@ -370,8 +407,10 @@ def _eye(n: int, m: int, dtype: Any, index: int) -> Any:
 
 @direct("eye.m_out")
 def eye_m_out(n: int, m: int, *, out: torch.Tensor) -> torch.Tensor:
-    if n < 0 or m < 0:
-        raise RuntimeError(f"n must be greater or equal to 0, got {min(n, m)}")
+    if n < 0:
+        raise RuntimeError(f"n must be greater or equal to 0, got {n}")
+    if m < 0:
+        raise RuntimeError(f"m must be greater or equal to 0, got {m}")
     if tuple(out.shape) != (n, m):
         out.resize_((n, m))
     _storage.write(out, _eye(n, m, _runtime.jax_dtype(out.dtype), out.device.index)())
@@ -397,18 +436,27 @@ def _multinomial(rows: int, cats: int, num_samples: int, replacement: bool, inde
     return jax.jit(draw, out_shardings=_on(index))
 
 
-@direct("multinomial")
-def multinomial(self: torch.Tensor, num_samples: int, replacement: bool = False, *,
-                generator: Any = None) -> torch.Tensor:
+def _multinomial_checks(self: torch.Tensor, num_samples: int, replacement: bool, out_dtype: torch.dtype) -> None:
+    """ATen's argument checks, in its order (the out= dtype among them)."""
     if self.dim() not in (1, 2):
         raise RuntimeError("prob_dist must be 1 or 2 dim")
     if not self.dtype.is_floating_point:
-        raise RuntimeError(f"multinomial only supports floating-point dtypes for input, got: {self.dtype}")
-    cats = self.shape[-1]
+        raise RuntimeError(f"multinomial only supports floating-point dtypes for input, got: {dtype_name(self.dtype)}")
+    if out_dtype != torch.int64:
+        raise RuntimeError(f"multinomial expects Long tensor out, got: {dtype_name(out_dtype)}")
     if num_samples <= 0:
         raise RuntimeError("cannot sample n_sample <= 0 samples")
-    if not replacement and num_samples > cats:
+    if not replacement and num_samples > self.shape[-1]:
         raise RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without replacement")
+    if self.shape[-1] > 2**24:
+        raise RuntimeError("number of categories cannot exceed 2^24")
+
+
+@direct("multinomial")
+def multinomial(self: torch.Tensor, num_samples: int, replacement: bool = False, *,
+                generator: Any = None) -> torch.Tensor:
+    _multinomial_checks(self, num_samples, replacement, torch.int64)
+    cats = self.shape[-1]
     probs = self.reshape(-1, cats)
     # Value checks PyTorch makes (one host round trip).
     if bool(((probs < 0) | ~torch.isfinite(probs)).any().item()):
@@ -421,7 +469,14 @@ def multinomial(self: torch.Tensor, num_samples: int, replacement: bool = False,
     return out.reshape(num_samples) if self.dim() == 1 else out
 
 
-direct("multinomial.out")(_out_form(multinomial))
+_multinomial_into = _out_form(multinomial)
+
+
+@direct("multinomial.out")
+def multinomial_out(self: torch.Tensor, num_samples: int, replacement: bool = False, *, generator: Any = None,
+                    out: torch.Tensor) -> torch.Tensor:
+    _multinomial_checks(self, num_samples, replacement, out.dtype)
+    return _multinomial_into(self, num_samples, replacement, generator=generator, out=out)
 
 
 @direct("_efficientzerotensor", defer=True)

@@ -63,11 +63,22 @@ def addmm(self: Any, mat1: Any, mat2: Any, beta: Any = 1, alpha: Any = 1) -> Any
     return (beta * self + alpha * prod).astype(prod.dtype)
 
 
+def _check_vectors(self: Any, other: Any) -> None:
+    """dot/vdot's checks, in ATen's words and order."""
+    if self.ndim != 1 or other.ndim != 1:
+        raise RuntimeError(f"1D tensors expected, but got {self.ndim}D and {other.ndim}D tensors")
+    if self.dtype != other.dtype:
+        raise RuntimeError(f"dot : expected both vectors to have same dtype, but found {_dname(self)} and "
+                           f"{_dname(other)}")
+    if self.shape[0] != other.shape[0]:
+        raise RuntimeError(f"inconsistent tensor size, expected tensor [{self.shape[0]}] and src [{other.shape[0]}] "
+                           "to have the same number of elements, but got "
+                           f"{self.shape[0]} and {other.shape[0]} elements respectively")
+
+
 @lower("dot")
 def dot(self: Any, tensor: Any) -> Any:
-    if self.ndim != 1 or tensor.ndim != 1:
-        raise RuntimeError(f"1D tensors expected, but got {self.ndim}D and {tensor.ndim}D tensors")
-    _check_dtypes(self, tensor, "both vectors")
+    _check_vectors(self, tensor)
     return _dot(self, tensor)
 
 
@@ -774,14 +785,44 @@ def linalg_householder_product(input: Any, tau: Any) -> Any:
     return lax.linalg.householder_product(input, tau)
 
 
+def _ormqr_check(a: Any, tau: Any, c: Any, left: bool) -> None:
+    """ATen's ormqr checks, in its order."""
+    if a.ndim < 2:
+        raise RuntimeError("torch.ormqr: input must have at least 2 dimensions.")
+    if c.ndim < 2:
+        raise RuntimeError("torch.ormqr: other must have at least 2 dimensions.")
+    side = -2 if left else -1
+    if c.shape[side] != a.shape[-2]:
+        raise RuntimeError(f"torch.ormqr: other.shape[{side}] must be equal to input.shape[-2]")
+    if tau.ndim == 0:
+        raise IndexError("Dimension specified as -1 but tensor has no dimensions")
+    if tau.shape[-1] != min(c.shape[side], a.shape[-1]):
+        raise RuntimeError(f"torch.ormqr: tau.shape[-1] must be equal to min(other.shape[{side}], input.shape[-1])")
+    if a.ndim - tau.ndim != 1:
+        raise RuntimeError("torch.ormqr: Expected tau to have one dimension less than input, but got tau.ndim equal "
+                           f"to {tau.ndim} and input.ndim is equal to {a.ndim}")
+    if a.ndim != c.ndim:
+        raise RuntimeError("torch.ormqr: Expected other to have the same number of dimensions as input, but got "
+                           f"other.ndim equal to {c.ndim} and input.ndim is equal to {a.ndim}")
+    for name, batch in (("tau", tau.shape[:-1]), ("other", c.shape[:-2])):
+        if batch != a.shape[:-2]:
+            raise RuntimeError(f"torch.ormqr: Expected batch dimensions of {name} to be equal to input.shape[:-2], "
+                               f"but got {list(batch)}")
+    for name, t in (("tau", tau), ("other", c)):
+        if t.dtype != a.dtype:
+            raise RuntimeError(f"torch.ormqr: Expected input and {name} to have the same dtype, but input has dtype"
+                               f"{_dname(a)} and {name} has dtype {_dname(t)}")
+    if not jnp.issubdtype(a.dtype, jnp.inexact):
+        raise NotImplementedError(f"\"ormqr_cpu\" not implemented for '{_dname(a)}'")
+
+
 @lower("ormqr")
 def ormqr(self: Any, input2: Any, input3: Any, left: bool = True, transpose: bool = False) -> Any:
     """op(Q) C or C op(Q), Q the m-by-m product of the Householder reflectors stored in (self, input2)."""
     a, tau, c = self, input2, input3
+    _ormqr_check(a, tau, c, left)
     m = c.shape[-2] if left else c.shape[-1]
     k = tau.shape[-1]
-    if a.shape[-2] != m:
-        raise RuntimeError(f"torch.ormqr: input.shape[-2] must be equal to other.shape[{-2 if left else -1}]")
     if c.size == 0:
         return c
     full = jnp.concatenate([a[..., :, :k], jnp.zeros(a.shape[:-1] + (m - k,), a.dtype)], axis=-1)
@@ -795,14 +836,7 @@ def ormqr(self: Any, input2: Any, input3: Any, left: bool = True, transpose: boo
 @lower("vdot")
 def vdot(self: Any, other: Any) -> Any:
     """sum(conj(self) * other) of two 1-D tensors."""
-    if self.ndim != 1 or other.ndim != 1:
-        raise RuntimeError(f"1D tensors expected, but got {self.ndim}D and {other.ndim}D tensors")
-    if self.dtype != other.dtype:
-        raise RuntimeError(f"expected both vectors to have same dtype, but found {_dname(self)} and {_dname(other)}")
-    if self.shape[0] != other.shape[0]:
-        raise RuntimeError(f"inconsistent tensor size, expected tensor [{self.shape[0]}] and src [{other.shape[0]}] "
-                           "to have the same number of elements, but got "
-                           f"{self.shape[0]} and {other.shape[0]} elements respectively")
+    _check_vectors(self, other)
     return jnp.sum(_opmath(jnp.conj(self)) * _opmath(other)).astype(self.dtype)
 
 

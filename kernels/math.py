@@ -822,11 +822,13 @@ def heaviside(self: Any, values: Any) -> Any:
 
 @lower("complex")
 def complex_(real: Any, imag: Any) -> Any:
-    if real.dtype != imag.dtype or real.dtype not in (jnp.float32, jnp.float64, jnp.float16):
-        raise RuntimeError(
-            f"Expected both inputs to be Half, Float or Double tensors but got "
-            f"{dtype_name(_runtime.torch_dtype(real.dtype))} and {dtype_name(_runtime.torch_dtype(imag.dtype))}"
-        )
+    names = [dtype_name(_runtime.torch_dtype(x.dtype)) for x in (real, imag)]
+    if any(x.dtype not in (jnp.float32, jnp.float64, jnp.float16) for x in (real, imag)):
+        raise RuntimeError(f"Expected both inputs to be Half, Float or Double tensors but got {names[0]} and "
+                           f"{names[1]}")
+    if real.dtype != imag.dtype:
+        raise RuntimeError(f"Expected object of scalar type {names[0]} but got scalar type {names[1]} for second "
+                           "argument")
     if real.dtype == jnp.float16:
         _runtime.jax_dtype(torch.complex32)  # raises, naming the dtypes tpu has
     r, i = jnp.broadcast_arrays(real, imag)

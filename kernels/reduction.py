@@ -62,8 +62,8 @@ def mean(self: Any, dim: Sequence[int] | None = None, keepdim: bool = False, dty
     out = _runtime.jax_dtype(dtype) if dtype is not None else self.dtype
     if not (jnp.issubdtype(out, jnp.inexact)):
         raise RuntimeError(
-            "mean(): could not infer output dtype. Input dtype must be either a floating point or complex "
-            f"dtype. Got: {_runtime.torch_dtype(out)}"
+            f"mean(): could not infer output dtype. {'Input' if dtype is None else 'Optional'} dtype must be "
+            f"either a floating point or complex dtype. Got: {_name(out)}"
         )
     return jnp.mean(self.astype(out), axis=_axes(self, dim), keepdims=keepdim).astype(out)
 
@@ -108,12 +108,12 @@ def _opmath(x: Any) -> Any:
     return x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x
 
 
-def _check_nonzero_dims(op: str, x: Any, axes: Sequence[int]) -> None:
+def _check_nonzero_dims(op: str, x: Any, axes: Sequence[int], call: str = "()") -> None:
     for a in axes:
         if x.shape[a] == 0:
-            raise IndexError(f"{op}(): Expected reduction dim {a} to have non-zero size.")
+            raise IndexError(f"{op}{call}: Expected reduction dim {a} to have non-zero size.")
     if not axes and x.size == 0:
-        raise IndexError(f"{op}(): Expected reduction dim to be specified for input.numel() == 0.")
+        raise IndexError(f"{op}{call}: Expected reduction dim to be specified for input.numel() == 0.")
 
 
 def _nan_to_max(x: Any) -> Any:
@@ -148,12 +148,21 @@ def _keep(v: Any, axes: Sequence[int], keepdim: bool) -> Any:
 # ---- max/min family ----
 
 
+def _check_dim_mask(self: Any, dim: Sequence[int] | int | None) -> None:
+    """ATen's reduction dim mask (a 64-bit set) limits the tensors a reduction over given dims can take."""
+    if self.ndim > 64 and dim not in (None, (), []):
+        raise RuntimeError("only tensors with up to 64 dims are supported")
+
+
 def _amax_amin(op: str, self: Any, dim: Sequence[int], keepdim: bool) -> Any:
+    _check_dim_mask(self, dim)
     axes = _axes(self, dim)
     if self.size == 0:
-        for a in axes or (0,):
-            if self.ndim == 0 or self.shape[a] == 0:
-                raise IndexError(f"{op}(): Expected reduction dim {a} to have non-zero size.")
+        if not dim:
+            _check_nonempty(op, self)
+        for d in dim:  # (CPU names the dim as given)
+            if self.shape[_wrap_dim(d, self.ndim)] == 0:
+                raise IndexError(f"{op}(): Expected reduction dim {d} to have non-zero size.")
     fn = jnp.max if op == "amax" else jnp.min
     return fn(self, axis=axes, keepdims=keepdim)
 
@@ -170,9 +179,13 @@ def amin(self: Any, dim: Sequence[int] = (), keepdim: bool = False) -> Any:
 
 @lower("aminmax")
 def aminmax(self: Any, dim: int | None = None, keepdim: bool = False) -> tuple[Any, Any]:
+    _check_dim_mask(self, dim)
     axes = _axes(self, dim)
-    if self.size == 0 and (dim is None or self.ndim == 0 or self.shape[axes[0]] == 0):
-        raise RuntimeError("aminmax(): cannot compute aminmax over an empty dimension as the operation has no identity.")
+    if self.size == 0:
+        if dim is None:
+            raise RuntimeError("aminmax(): cannot compute aminmax over an empty dimension as the operation has no "
+                               "identity.")
+        _check_nonzero_dims("aminmax", self, axes, call="")
     if dim is None and keepdim:
         axes = tuple(range(self.ndim))
     return jnp.min(self, axis=axes, keepdims=keepdim), jnp.max(self, axis=axes, keepdims=keepdim)
@@ -449,11 +462,11 @@ def kthvalue(self: Any, k: int, dim: int = -1, keepdim: bool = False) -> tuple[A
     axis = _wrap_dim(dim, self.ndim)
     if self.ndim == 0:
         if k != 1:
-            raise IndexError(f"kthvalue(): selected number k out of range for dimension {axis}")
+            raise RuntimeError(f"kthvalue(): selected number k out of range for dimension {axis}")
         return self, jnp.zeros((), jnp.int64)
     _check_nonzero_dims("kthvalue", self, (axis,))
     if not 1 <= k <= self.shape[axis]:
-        raise IndexError(f"kthvalue(): selected number k out of range for dimension {axis}")
+        raise RuntimeError(f"kthvalue(): selected number k out of range for dimension {axis}")
     return _select(self, k - 1, axis, keepdim)
 
 
@@ -625,6 +638,8 @@ def norm(self: Any, p: Any = 2, dim: Sequence[int] | None = None, keepdim: bool 
 @lower("renorm")
 def renorm(self: Any, p: Any, dim: int, maxnorm: Any) -> Any:
     """Rescales each slice along `dim` whose p-norm exceeds maxnorm to norm maxnorm (PyTorch's 1e-7 guard)."""
+    if self.ndim < 2:
+        raise RuntimeError(f"renorm: input needs at least 2 dimensions, got {self.ndim} dimensions")
     if not _is_float(self):
         raise RuntimeError(f"renorm: Expected a floating point or complex tensor as input. Got {_name(self.dtype)}")
     d = _wrap_dim(dim, self.ndim)
@@ -750,35 +765,42 @@ def histogram_bins_tensor(self: Any, bins: Any, weight: Any = None, density: boo
     return _hist_counts(x, [bins], weight, density), bins
 
 
-def _dd_input(self: Any, dims: int, weight: Any) -> Any:
+def _dd_input(self: Any, bins: Sequence[Any], weight: Any, edges: bool = False) -> Any:
+    """histogramdd's input as (N, D) rows, with CPU's checks: `bins` are D bin counts, or D edge tensors."""
+    if self.ndim < 2:
+        raise RuntimeError("torch.histogramdd: input tensor should have at least 2 dimensions")
+    dims = self.shape[-1]
+    if edges and len(bins) != dims:
+        raise RuntimeError(f"torch.histogramdd: expected {dims} sequences of bin edges for a {dims}-dimensional "
+                           f"histogram but got {len(bins)}")
     if not _is_float(self):
-        raise RuntimeError(f'"histogramdd" not implemented for \'{_name(self.dtype)}\'')
-    if self.ndim < 2 or self.shape[-1] != dims:
-        raise RuntimeError(f"torch.histogramdd: expected input to have shape (*, {dims}) but got {list(self.shape)}"
-                           if self.ndim >= 1 else "torch.histogramdd: input tensor should have at least 2 "
-                           "dimensions")
+        raise NotImplementedError(f'"{"histogram_cpu" if edges else "histogramdd"}" not implemented for '
+                                  f"'{_name(self.dtype)}'")
+    if len(bins) != dims:
+        raise RuntimeError("histogramdd: The size of bins must be equal to the innermost dimension of the input.")
     if weight is not None and weight.size != math.prod(self.shape[:-1]):
         raise RuntimeError("torch.histogramdd: if weight tensor is provided it should have the same shape as the "
-                           "input tensor excluding its innermost dimension")
+                           "input tensor excluding its innermost dimension, but got input with shape "
+                           f"{list(self.shape)} and weight with shape {list(weight.shape)}")
     return self.reshape(-1, dims)
 
 
 @lower("_histogramdd_bin_edges")
 def histogramdd_bin_edges(self: Any, bins: Sequence[int], range: Sequence[float] | None = None,
                           weight: Any = None, density: bool = False) -> list[Any]:
-    return _hist_edges(_dd_input(self, len(bins), weight), tuple(bins), range)
+    return _hist_edges(_dd_input(self, bins, weight), tuple(bins), range)
 
 
 @lower("_histogramdd_from_bin_cts")
 def histogramdd_from_bin_cts(self: Any, bins: Sequence[int], range: Sequence[float] | None = None,
                              weight: Any = None, density: bool = False) -> Any:
-    x = _dd_input(self, len(bins), weight)
+    x = _dd_input(self, bins, weight)
     return _hist_counts(x, _hist_edges(x, tuple(bins), range), weight, density)
 
 
 @lower("_histogramdd_from_bin_tensors")
 def histogramdd_from_bin_tensors(self: Any, bins: Sequence[Any], weight: Any = None, density: bool = False) -> Any:
-    x = _dd_input(self, len(bins), weight)
+    x = _dd_input(self, bins, weight, edges=True)
     for b in bins:
         if b.ndim != 1 or b.shape[0] < 1:
             raise RuntimeError("torch.histogramdd: bins tensors should have one dimension and at least 1 element")
