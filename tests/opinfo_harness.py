@@ -448,3 +448,60 @@ def check_grad_op(op: Any, dtype: torch.dtype = torch.float32, cap: int = GRAD_C
             check(op, sample.noncontiguous(), dtype, f"{op_id(op)} {dtype} {mode} sample {i} noncontiguous",
                   base + i)
     return done
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors: each OpInfo's error inputs (op.error_inputs, PyTorch's own list of bad calls with the exception type and
+# message each must raise, as test_ops.py's test_errors runs them) made on tpu. The call must raise that type with
+# a message matching the regex, at the call or when its results are read (a deferred op's error surfaces at the
+# sync): a bad call that returns a value, or one that fails inside JAX with JAX's words, fails the case. OpInfos
+# PyTorch marks as expected to fail test_errors on every device (their error inputs do not raise on CPU either:
+# both arguments Python numbers) are left out.
+
+
+def _expected_to_fail_errors(op: Any) -> bool:
+    return any(getattr(d, "cls_name", None) == "TestCommon" and getattr(d, "test_name", None) == "test_errors"
+               and getattr(d, "device_type", None) is None for d in op.decorators)
+
+
+def error_ops() -> list:
+    """The OpInfos with error inputs whose test_errors PyTorch does not expect to fail."""
+    return [op for op in op_db if op.error_inputs_func is not None and not op.name.startswith("jiterator")
+            and not _expected_to_fail_errors(op)]
+
+
+def check_errors(op: Any, known: dict[int, str] | None = None) -> int:
+    """Runs every error input of `op` on tpu; returns how many ran. Raises AssertionError listing each one that did
+    not raise its exception type with a matching message, and each listed in `known` (error input index -> why
+    tpu differs) that now does."""
+    import re
+
+    known = known or {}
+    torch.manual_seed(zlib.crc32(f"{op_id(op)}:errors".encode()))
+    wrong = []
+    ran = 0
+    for i, ei in enumerate(op.error_inputs("tpu")):
+        s = ei.sample_input
+        if not any(isinstance(t, torch.Tensor) for t in _sample_tensors(s)):
+            continue  # no tensor at all (`op(2, 3)`): the call never reaches a device
+        ran += 1
+        try:
+            out = op(s.input, *s.args, **s.kwargs)
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.device.type == "tpu":
+                    t.cpu()  # a deferred op's error surfaces when its result is read
+        except Exception as e:  # noqa: BLE001 - the type is what is checked
+            if isinstance(e, ei.error_type) and re.search(ei.error_regex, str(e)):
+                if i in known:
+                    wrong.append(f"  error input {i} is listed as a known difference ({known[i]}) but now raises "
+                                 "PyTorch's error: remove it from the list")
+                continue
+            got = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        else:
+            got = "no error"
+        if i not in known:
+            wrong.append(f"  error input {i} ({s.name or 'unnamed'}): expected {ei.error_type.__name__} matching "
+                         f"{ei.error_regex!r}, got {got}")
+    if wrong:
+        raise AssertionError(f"{op_id(op)}: bad calls that do not raise PyTorch's error on tpu:\n" + "\n".join(wrong))
+    return ran
