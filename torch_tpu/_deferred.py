@@ -326,6 +326,7 @@ _node_text: dict[int, str | None] = {}  # node id -> stable text of its key (Non
 # so a workload whose graphs keep changing does not hold every executable it ever compiled.
 _fused: collections.OrderedDict[tuple, Callable[..., Any]] = collections.OrderedDict()
 _SCALARS = (bool, int, float, complex)
+_ARRAY_TYPES: set[type] = set()  # the types of device arrays _arg has seen (jax's array type): inputs as they are
 _HOST_DTYPES = {bool: "bool", int: "int64", float: "float64", complex: "complex128"}  # a packed scalar's, exact
 # Traces of flushed graphs by their node ids (oldest first, capped like _fused), and per slot (owner thread, device
 # index) the trace the next graph there is predicted to follow and the one flushed last.
@@ -449,6 +450,8 @@ def _arg(g: _Graph, a: Any) -> tuple[Any, Any]:
     if t is Bound and a.graph is not g:
         raise _bound_error("by an op recorded into another graph (another thread's, or another device's)")
     if hasattr(a, "shape") and hasattr(a, "dtype"):  # a device array (or numpy value, Bound, drawn RNG step)
+        if t is not Bound:
+            _ARRAY_TYPES.add(t)  # _arg_list takes its elements of this type inline
         return _input(g, a)
     return ("c", a), ("c", a)  # a hashable constant
 
@@ -463,6 +466,10 @@ def _arg_list(g: _Graph, a: list | tuple) -> tuple[Any, Any]:
         if t is Pending and v.value is None and v.graph is g:
             specs.append(("n", v.node, v.out))
             sigs.append(v.meta)
+        elif t in _ARRAY_TYPES:  # a concrete device array (a parameter read at the start of a step)
+            sp, sg = _input(g, v)
+            specs.append(sp)
+            sigs.append(sg)
         elif v is None:
             specs.append(None)
             sigs.append(None)

@@ -143,7 +143,7 @@ class ForeachKernel:
                     return None
             dyn.append(d)
             statics.append(tuple(s))
-        return dyn, statics
+        return [list(col) for col in zip(*dyn)], statics  # by column, as _columns gives them
 
     def _columns(self, vals: list, n: int, recording: bool = False) -> tuple | None:
         """The same inputs as `_elements`, bound column by column, when every tensor argument is a tpu tensor
@@ -236,15 +236,13 @@ class ForeachKernel:
                 for j, s in lists:
                     static0[j] = s[i]
                 statics.append(tuple(static0) + self.static_tail)
-        # Per element: its own values; `shared`: the values every element reads, passed once (each number is one
-        # more argument of the jitted call).
+        # By argument: the elements' own values (a column of n), or None where every element reads the same value;
+        # `shared`: those values, passed once (each number is one more argument of the jitted call). Columns, not
+        # rows: a recorded call's arguments are then flat lists of placeholders (one level, read inline).
         shared = [None if p else c for c, p in zip(cols, per)] + self.dyn_tail
-        none_tail = [None] * len(self.dyn_tail)
-        dyn = [[c[i] if p else None for c, p in zip(cols, per)] + none_tail for i in range(n)]
-        if mask:
-            for i in range(n):
-                if mask >> i & 1:
-                    dyn[i][0] = None  # passed apart, donated
+        dyn = [c if p else None for c, p in zip(cols, per)] + [None] * len(self.dyn_tail)
+        if mask:  # the targets passed apart, donated, are None in their column
+            dyn[0] = None if mask == (1 << n) - 1 else [None if mask >> i & 1 else a for i, a in enumerate(arrays)]
         return dyn, shared, statics, 0, donated, mask
 
     @staticmethod
@@ -309,9 +307,9 @@ class ForeachKernel:
         return True
 
     def _program(self, statics: list[tuple], target_dtypes: tuple | None, index: int) -> Any:
-        """The program over the list, called as (per-element arguments, shared arguments or None, donated targets,
-        bitmask): an element's argument that is None comes from the shared ones, element i's target from the
-        donated ones when bit i is set. One jitted function per bitmask (in a steady loop: one), each giving its
+        """The program over the list, called as (per-argument columns of the elements' values, shared arguments or
+        None, donated targets, bitmask): an element's argument that is None (or whose column is None) comes from the
+        shared ones, element i's target from the donated ones when bit i is set. One jitted function per bitmask (in a steady loop: one), each giving its
         targets' buffers to XLA."""
         fns = [self.sig._traced(s, None) for s in statics]
         name = self.name
@@ -319,11 +317,12 @@ class ForeachKernel:
         def program(dyn: list, shared: list | None, *donated: Any) -> list[Any]:
             outs = []
             donated_iter = iter(donated)
-            for i, (fn, d) in enumerate(zip(fns, dyn)):
-                if shared is not None:
-                    d = [s if x is None else x for x, s in zip(d, shared)]
+            if shared is None:
+                shared = [None] * len(dyn)
+            for i, fn in enumerate(fns):
+                d = [s if c is None or c[i] is None else c[i] for c, s in zip(dyn, shared)]
                 if d[0] is None and donated:
-                    d = [next(donated_iter), *d[1:]]
+                    d[0] = next(donated_iter)
                 out = fn(*d)
                 if target_dtypes is not None:
                     want = target_dtypes[i]
