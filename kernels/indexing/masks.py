@@ -33,12 +33,15 @@ def _check_mask(mask: Any) -> None:
         )
 
 
-# The C++ type names of Scalar::to<T>'s overflow error ("value cannot be converted to type int8_t ...").
-_SCALAR_NAMES = {jnp.dtype(k): v for k, v in {
-    jnp.uint8: "uint8_t", jnp.int8: "int8_t", jnp.int16: "int16_t", jnp.int32: "int", jnp.int64: "int64_t",
-    jnp.float16: "c10::Half", jnp.bfloat16: "c10::BFloat16", jnp.float32: "float", jnp.float64: "double",
-    jnp.complex64: "c10::complex<float>", jnp.complex128: "c10::complex<double>",
-}.items()}
+@functools.cache
+def _scalar_names() -> dict:
+    """By dtype, the C++ type names of Scalar::to<T>'s overflow error ("value cannot be converted to type int8_t
+    ..."); a function, so that importing the kernels does not import JAX."""
+    return {jnp.dtype(k): v for k, v in {
+        jnp.uint8: "uint8_t", jnp.int8: "int8_t", jnp.int16: "int16_t", jnp.int32: "int", jnp.int64: "int64_t",
+        jnp.float16: "c10::Half", jnp.bfloat16: "c10::BFloat16", jnp.float32: "float", jnp.float64: "double",
+        jnp.complex64: "c10::complex<float>", jnp.complex128: "c10::complex<double>",
+    }.items()}
 
 
 def _overflows(v: Any, to: Any) -> Any:
@@ -69,7 +72,7 @@ def _report_value_overflow(op: str, value: Any, dtype: Any) -> None:
     """ATen's Scalar::to<T> of the fill value (its checked_convert), on the device: a complex value with an
     imaginary part into a real type, or a value out of the type's range. A bool target converts unchecked."""
     v = jnp.asarray(value)
-    if dtype == jnp.bool_ or v.dtype == jnp.bool_ or dtype not in _SCALAR_NAMES:
+    if dtype == jnp.bool_ or v.dtype == jnp.bool_ or dtype not in _scalar_names():
         return
     if jnp.issubdtype(v.dtype, jnp.complexfloating):
         v = v.astype(jnp.complex128)
@@ -83,7 +86,7 @@ def _report_value_overflow(op: str, value: Any, dtype: Any) -> None:
         return
     bad = functools.reduce(jnp.logical_or, parts)
     report_bad_index(op, bad.astype(jnp.int64), 1, error=RuntimeError,
-                     message=f"value cannot be converted to type {_SCALAR_NAMES[dtype]} without overflow")
+                     message=f"value cannot be converted to type {_scalar_names()[dtype]} without overflow")
 
 
 @lower("masked_fill.Scalar", "masked_fill.Tensor", checks=True)

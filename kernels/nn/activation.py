@@ -261,7 +261,7 @@ def softshrink(self: Any, lambd: Any = 0.5) -> Any:
                      message=f"lambda must be in range [0, {top:.6g}] for input dtype "
                              f"{dtype_name(_runtime.torch_dtype(self.dtype))}, but found a value outside it")
     x = _opmath(self)
-    return jnp.where(x > lambd, x - lambd, jnp.where(x < -lambd, x + lambd, 0)).astype(self.dtype)
+    return jnp.where(x > lambd, x - lambd, jnp.where(x < -lambd, x + lambd, x * 0)).astype(self.dtype)  # NaN stays
 
 
 @lower("hardshrink")
