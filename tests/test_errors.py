@@ -136,3 +136,39 @@ def test_complex32_names_tpu_and_the_supported_dtypes() -> None:
     # CPU has it: the oracle for what the message suggests
     ok = torch.complex(torch.ones(2, dtype=torch.half), torch.ones(2, dtype=torch.half)).to(torch.complex64).to("tpu")
     torch.testing.assert_close(ok.cpu(), torch.ones(2, dtype=torch.complex64) * (1 + 1j))
+
+
+# Bad calls that used to return a value on tpu (the OpInfo error and reference inputs found them): each now
+# behaves as on CPU.
+def test_cat_dim_out_of_range_raises_like_cpu() -> None:
+    a = torch.arange(6.0).view(2, 3)
+    for dim in (2, 3, -3):
+        with pytest.raises(IndexError, match="Dimension out of range"):
+            torch.cat([a, a], dim=dim)  # the CPU oracle raises too
+        with pytest.raises(IndexError, match=r"Dimension out of range \(expected to be in range of \[-2, 1\]"):
+            torch.cat([a.to("tpu"), a.to("tpu")], dim=dim)
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match except in dimension 0"):
+        torch.cat([torch.ones(2, 3, device="tpu"), torch.ones(3, 2, device="tpu")])
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
+def test_arange_into_an_integer_out_steps_like_cpu(dtype) -> None:
+    for start, end, step in ((0, 10, 2.5), (0.5, 7, 1.5), (1, 9.7, 3)):
+        cpu = torch.arange(start, end, step, out=torch.empty(0, dtype=dtype))
+        tpu = torch.arange(start, end, step, out=torch.empty(0, dtype=dtype, device="tpu"))
+        assert torch.equal(tpu.cpu(), cpu), (start, end, step, tpu.cpu(), cpu)
+
+
+def test_uniform_bounds_must_fit_the_dtype() -> None:
+    with pytest.raises(RuntimeError, match="from is out of bounds for c10::Half"):
+        torch.empty(4, dtype=torch.float16).uniform_(-1e6, 0)
+    with pytest.raises(RuntimeError, match="from is out of bounds for c10::Half"):
+        torch.empty(4, dtype=torch.float16, device="tpu").uniform_(-1e6, 0)
+
+
+@pytest.mark.parametrize("mode", ["DEFER_NEVER", "DEFER_AND_FUSE"])
+def test_softshrink_keeps_nan(mode) -> None:
+    x = torch.tensor([float("nan"), 1.0, -1.0, 0.2, float("inf"), -float("inf")])
+    with torch.tpu.set_eager_mode(mode):
+        got = torch.nn.functional.softshrink(x.to("tpu")).cpu()
+    torch.testing.assert_close(got, torch.nn.functional.softshrink(x), equal_nan=True)
