@@ -203,3 +203,47 @@ def test_training_steps_replay_and_match_cpu() -> None:
     assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-5)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5)
+
+
+def _jax_pairs(donated_sigs: list[tuple], out_sigs: list[tuple]) -> dict[int, int]:
+    """How JAX pairs a program's donated inputs with its outputs (jax/_src/interpreters/mlir.py, _set_up_aliases):
+    each output in order takes the first donated input of its shape and dtype not yet taken. Donated input's index
+    (among the donated) -> output index."""
+    free: dict[tuple, list[int]] = {}
+    for k, sig in enumerate(donated_sigs):
+        free.setdefault(sig, []).append(k)
+    pairs = {}
+    for j, sig in enumerate(out_sigs):
+        if free.get(sig):
+            pairs[free[sig].pop(0)] = j
+    return pairs
+
+
+def test_each_donated_buffer_takes_the_value_written_back_to_it() -> None:
+    """An in-place step whose new values are made in another order than their old buffers are first read (AdamW
+    makes its new moments before its new parameters): each donated buffer must be paired with the new value of
+    its own tensor; paired with another one, XLA copies the old values before it overwrites them (an AdamW step's
+    program took twice as long)."""
+    from torch_tpu import _C, _deferred
+
+    p = torch.randn(256, device="tpu")
+    m = torch.randn(256, device="tpu")
+    pc, mc = p.cpu(), m.cpu()
+    old = {"p": id(_C._storage_array(p.untyped_storage())[0]), "m": id(_C._storage_array(m.untyped_storage())[0])}
+    with torch.tpu.set_eager_mode(FUSE):
+        p.mul_(0.5)
+        m.add_(p)  # the new m is made first ...
+        p.sub_(m)  # ... and the new p, whose old buffer the graph read first, last
+        new = {"p": _C._storage_array(p.untyped_storage())[0], "m": _C._storage_array(m.untyped_storage())[0]}
+        g = new["p"].graph
+        where = {id(a): i for i, a in enumerate(g.inputs)}
+        position = {k: where[v] for k, v in old.items()}
+        torch.tpu.synchronize()
+    (_, outs, donate, _), (_, order) = next(reversed(_deferred._fused.items()))
+    assert sorted(donate) == sorted(position.values()), "both old buffers are the graph's to donate"
+    program_outs = list(outs) if order is None else [outs[i] for i in order]
+    pairs = _jax_pairs([((256,), "f32")] * len(donate), [((256,), "f32")] * len(program_outs))
+    for name, pos in position.items():
+        assert program_outs[pairs[donate.index(pos)]] == (new[name].node, new[name].out), name
+    torch.testing.assert_close(m.cpu(), mc + pc * 0.5)
+    torch.testing.assert_close(p.cpu(), pc * 0.5 - (mc + pc * 0.5))

@@ -98,6 +98,37 @@ def test_training_step_replays_like_eager_cpu(mode):
         torch.testing.assert_close(b.cpu(), c, rtol=1e-4, atol=1e-5)
 
 
+
+def test_each_donated_buffer_takes_the_value_written_back_to_it():
+    """A captured AdamW step donates its parameters' and moments' buffers: JAX pairs donated inputs with outputs
+    of their shape and dtype in order, so the outputs must come in the donated storages' order, each storage's
+    buffer taking its own new value (paired with another storage's, XLA copies the old values first: 27 copies in
+    the issue-12 MLP step)."""
+    m = _model().to("tpu")
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, capturable=True)
+    sx, sy = torch.randn(8, 16, device="tpu"), torch.randint(0, 4, (8,), device="tpu")
+
+    def step():
+        loss = F.cross_entropy(m(sx), sy)
+        loss.backward()
+        opt.step()
+        return loss
+
+    step().item()
+    opt.zero_grad(set_to_none=True)
+    g, _ = _capture(step)
+    written = {st._cdata: k for st, k, _ in g._writes}
+    metas = [g._graph.entries[n][3][1][o][:2] for n, o in g._outs]
+    reads = {i: (st, sig[:2]) for i, st, sig in g._reads}
+    assert len(g._donate) >= 2 * len(list(m.parameters())), "parameters and both moments are donated"
+    free: dict[tuple, list[int]] = {}
+    for i in g._donate:
+        free.setdefault(reads[i][1], []).append(i)
+    for k, sig in enumerate(metas):  # JAX's pairing: each output takes the first donated input of its shape left
+        if free.get(sig):
+            i = free[sig].pop(0)
+            assert written[reads[i][0]._cdata] == k, f"donated input {i} is paired with another storage's value"
+
 def test_each_replay_draws_new_random_numbers():
     torch.tpu.manual_seed(3)
     x = torch.ones(4096, device="tpu")

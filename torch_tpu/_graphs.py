@@ -263,21 +263,10 @@ class TPUGraph:
         if self._single:  # (_deferred's one-op program: all of the op's outputs, called with the inputs unpacked)
             self._outs = tuple((0, j) for j in range(len(g.entries[0][3][1])))
             where = {o: o[1] for o in self._outs}
-        else:
-            distinct: dict[tuple, int] = {}
-            for _, p in outputs:
-                distinct.setdefault((p.node, p.out), len(distinct))
-            self._outs = tuple(distinct)
-            where = distinct
-        self._writes = [(st, where[(p.node, p.out)], _runtime.torch_dtype(p.dtype)) for st, p in outputs]
         self._reads = [(i, a.storage, (a.shape, a.dtype)) for i, a in enumerate(inputs) if type(a) is Bound]
-        self._draws = [(s.generator, pos.get(id(s)), pos.get(id(o))) for s, o in cap.draws]
-        # What the program is compiled with: a Bound's array of the capture, a Drawn's draw of the capture.
-        concrete = [a.array if type(a) is Bound else a.value if type(a) is _rng.Drawn else a for a in inputs]
-        self._template = [None if type(a) is Bound else c for a, c in zip(inputs, concrete)]
         # Donated: the arrays of bound storages the program overwrites, matched to outputs of their shape and dtype
         # (XLA can reuse no others).
-        written = {st._cdata for st, _ in outputs}
+        written = {st._cdata: p for st, p in outputs}
         wanted: dict[tuple, int] = {}
         for st, p in outputs:
             if st._cdata in cap.bound:
@@ -289,6 +278,25 @@ class TPUGraph:
                 wanted[sig] -= 1
                 donate.append(i)
         self._donate = tuple(donate)
+        if not self._single:
+            # The outputs written into donated storages first, in the donated inputs' order, each of its storage's
+            # shape and dtype: JAX pairs donated inputs with outputs of their shape and dtype in order, so each
+            # storage's old buffer then takes its own new value (paired with another output, XLA must copy the old
+            # values before overwriting them: an AdamW step's moments and parameters, twice the time).
+            distinct: dict[tuple, int] = {}
+            for i in donate:
+                p = written[inputs[i].storage._cdata]
+                if (p.shape, p.dtype) == (inputs[i].shape, inputs[i].dtype):
+                    distinct.setdefault((p.node, p.out), len(distinct))
+            for _, p in outputs:
+                distinct.setdefault((p.node, p.out), len(distinct))
+            self._outs = tuple(distinct)
+            where = distinct
+        self._writes = [(st, where[(p.node, p.out)], _runtime.torch_dtype(p.dtype)) for st, p in outputs]
+        self._draws = [(s.generator, pos.get(id(s)), pos.get(id(o))) for s, o in cap.draws]
+        # What the program is compiled with: a Bound's array of the capture, a Drawn's draw of the capture.
+        concrete = [a.array if type(a) is Bound else a.value if type(a) is _rng.Drawn else a for a in inputs]
+        self._template = [None if type(a) is Bound else c for a, c in zip(inputs, concrete)]
         self._graph = g
         self._program(self._donate, concrete)
 
