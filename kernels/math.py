@@ -561,7 +561,7 @@ def igamma(self: Any, other: Any) -> Any:
     """Regularized lower incomplete gamma P(a, x) with PyTorch's values at the domain edges."""
     _require_float("igamma_cpu", self)
     a, x = jnp.broadcast_arrays(self, other)
-    return _igamma_edges(a, x, _sps().gammainc(a, x), lower_tail=True)
+    return _igamma_edges(a, x, _gammainc(a, x, upper=False), lower_tail=True)
 
 
 @lower("igammac", promote=DEFAULT, promote_args=("self", "other"))
@@ -569,7 +569,19 @@ def igammac(self: Any, other: Any) -> Any:
     """Regularized upper incomplete gamma Q(a, x) with PyTorch's values at the domain edges."""
     _require_float("igammac_cpu", self)
     a, x = jnp.broadcast_arrays(self, other)
-    return _igamma_edges(a, x, _sps().gammaincc(a, x), lower_tail=False)
+    return _igamma_edges(a, x, _gammainc(a, x, upper=True), lower_tail=False)
+
+
+def _gammainc(a: Any, x: Any, upper: bool) -> Any:
+    """JAX's regularized incomplete gamma, computed in float64 for narrower floats and rounded back. In float32
+    JAX's series loses precision as `a` grows: P(5000, 5000) is 0.50188; float32 gave 0.50002 on XLA:CPU and 0.777
+    on a TPU v5e (P(100, 100): 0.51330, TPU float32 0.51134), where CPU PyTorch, which switches to an asymptotic
+    expansion for large `a`, is right to float32's precision. In float64 JAX's is right on both (the TPU emulates
+    float64: 5x the time of the float32 program for a million elements)."""
+    fn = _sps().gammaincc if upper else _sps().gammainc
+    if a.dtype == jnp.float64:
+        return fn(a, x)
+    return fn(a.astype(jnp.float64), x.astype(jnp.float64)).astype(a.dtype)
 
 
 def _igamma_edges(a: Any, x: Any, out: Any, lower_tail: bool) -> Any:
