@@ -115,3 +115,18 @@ def check_fused_step_like_cpu(base: dict, step, dtype) -> None:
             for k in base:
                 for a, b in zip(base[k], got["tpu"][k]):
                     assert torch.equal(a, b), k
+
+
+def jax_pairs(donated_sigs: list[tuple], out_sigs: list[tuple]) -> dict[int, int]:
+    """How JAX pairs a program's donated inputs with its outputs (jax/_src/interpreters/mlir.py, _set_up_aliases):
+    each output in order takes the first donated input of its shape and dtype not yet taken. Donated input's index
+    (among the donated) -> output index."""
+    free: dict[tuple, list[int]] = {}
+    for k, sig in enumerate(donated_sigs):
+        free.setdefault(sig, []).append(k)
+    pairs = {}
+    for j, sig in enumerate(out_sigs):
+        if free.get(sig):
+            pairs[free[sig].pop(0)] = j
+    return pairs
+

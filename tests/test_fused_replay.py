@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import jax_pairs
 
 FUSE = torch.tpu.EagerMode.DEFER_AND_FUSE
 
@@ -205,20 +206,6 @@ def test_training_steps_replay_and_match_cpu() -> None:
         torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5)
 
 
-def _jax_pairs(donated_sigs: list[tuple], out_sigs: list[tuple]) -> dict[int, int]:
-    """How JAX pairs a program's donated inputs with its outputs (jax/_src/interpreters/mlir.py, _set_up_aliases):
-    each output in order takes the first donated input of its shape and dtype not yet taken. Donated input's index
-    (among the donated) -> output index."""
-    free: dict[tuple, list[int]] = {}
-    for k, sig in enumerate(donated_sigs):
-        free.setdefault(sig, []).append(k)
-    pairs = {}
-    for j, sig in enumerate(out_sigs):
-        if free.get(sig):
-            pairs[free[sig].pop(0)] = j
-    return pairs
-
-
 def test_each_donated_buffer_takes_the_value_written_back_to_it() -> None:
     """An in-place step whose new values are made in another order than their old buffers are first read (AdamW
     makes its new moments before its new parameters): each donated buffer must be paired with the new value of
@@ -242,7 +229,7 @@ def test_each_donated_buffer_takes_the_value_written_back_to_it() -> None:
     (_, outs, donate, _), (_, order) = next(reversed(_deferred._fused.items()))
     assert sorted(donate) == sorted(position.values()), "both old buffers are the graph's to donate"
     program_outs = list(outs) if order is None else [outs[i] for i in order]
-    pairs = _jax_pairs([((256,), "f32")] * len(donate), [((256,), "f32")] * len(program_outs))
+    pairs = jax_pairs([((256,), "f32")] * len(donate), [((256,), "f32")] * len(program_outs))
     for name, pos in position.items():
         assert program_outs[pairs[donate.index(pos)]] == (new[name].node, new[name].out), name
     torch.testing.assert_close(m.cpu(), mc + pc * 0.5)

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import run_python
+from conftest import jax_pairs, run_python
 
 
 def _capture(fn):
@@ -121,13 +121,10 @@ def test_each_donated_buffer_takes_the_value_written_back_to_it():
     metas = [g._graph.entries[n][3][1][o][:2] for n, o in g._outs]
     reads = {i: (st, sig[:2]) for i, st, sig in g._reads}
     assert len(g._donate) >= 2 * len(list(m.parameters())), "parameters and both moments are donated"
-    free: dict[tuple, list[int]] = {}
-    for i in g._donate:
-        free.setdefault(reads[i][1], []).append(i)
-    for k, sig in enumerate(metas):  # JAX's pairing: each output takes the first donated input of its shape left
-        if free.get(sig):
-            i = free[sig].pop(0)
-            assert written[reads[i][0]._cdata] == k, f"donated input {i} is paired with another storage's value"
+    pairs = jax_pairs([reads[i][1] for i in g._donate], metas)
+    for d, k in pairs.items():
+        i = g._donate[d]
+        assert written[reads[i][0]._cdata] == k, f"donated input {i} is paired with another storage's value"
 
 def test_each_replay_draws_new_random_numbers():
     torch.tpu.manual_seed(3)
