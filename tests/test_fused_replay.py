@@ -234,3 +234,33 @@ def test_each_donated_buffer_takes_the_value_written_back_to_it() -> None:
         assert program_outs[pairs[donate.index(pos)]] == (new[name].node, new[name].out), name
     torch.testing.assert_close(m.cpu(), mc + pc * 0.5)
     torch.testing.assert_close(p.cpu(), pc * 0.5 - (mc + pc * 0.5))
+
+
+def test_the_first_step_records_the_graph_later_steps_record() -> None:
+    """An op's first call under DEFER_AND_FUSE records through the fast-path entry it installs, as its later calls
+    do: through the slow path it recorded another node (and the views it reads, `w.t()` in each Linear, as nodes of
+    their own), so a fresh process compiled its first step's graph and then the same step again."""
+    from conftest import run_python
+
+    r = run_python("""
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 5))
+model = model.tpu()
+x = torch.randn(8, 12).tpu()
+torch.tpu.eager_mode = "DEFER_AND_FUSE"
+for _ in range(3):
+    model.zero_grad()
+    model(x).square().mean().backward()
+    torch.tpu.synchronize()
+m = torch.tpu.metrics()
+grads = [p.grad.cpu() for p in model.parameters()]
+model = model.cpu()
+model.zero_grad()
+model(x.cpu()).square().mean().backward()
+for g, p in zip(grads, model.parameters()):
+    torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
+print("compiles", m.fused_graph_compiles, "replays", m.fused_replays)
+""", env={"TORCH_TPU_CACHE": "0"}, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[-4:] == ["compiles", "1", "replays", "2"], r.stdout

@@ -34,6 +34,7 @@ def test_interrupt_while_compiling_propagates_and_values_recompute(monkeypatch, 
         return real(*args, **kwargs)
 
     monkeypatch.setattr(_deferred, "_fused_program", interrupted)
+    _deferred.drop_programs()  # (an earlier test, or parametrization, compiled this graph's program)
     with torch.tpu.set_eager_mode("DEFER_AND_FUSE"):
         xd, wd = x.to("tpu"), w.to("tpu")
         torch.tpu.synchronize()
@@ -66,6 +67,7 @@ def test_interrupt_after_the_program_consumed_its_inputs_says_so(monkeypatch) ->
         return call
 
     monkeypatch.setattr(_deferred, "_fused_program", run_then_interrupt)
+    _deferred.drop_programs()
     with torch.tpu.set_eager_mode("DEFER_AND_FUSE"):
         w = torch.randn(3, 9).to("tpu")
         torch.tpu.synchronize()

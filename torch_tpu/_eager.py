@@ -233,8 +233,21 @@ class OpKernel(Signature):
 
     def _first_ex_call(self, key: tuple, ex: tuple, vals: list) -> Any:
         """The wider fast path's `_first_fast_call` (under DEFER_NEVER, the first call runs through the entry it
-        installs, so the program compiles once); None when the slow path must run."""
-        if _current_mode() or key in self._fast_ex or not self.lowering.jit or len(self._fast_ex) >= _FAST_EX_ENTRIES:
+        installs, so the program compiles once; under DEFER_AND_FUSE it is recorded through it, so the first step
+        records the graph every later step records); None when the slow path must run."""
+        if not self.lowering.jit or len(self._fast_ex) >= _FAST_EX_ENTRIES:
+            return None
+        if _current_mode():
+            if not _recording() or key in self._fast_rec or len(self._fast_rec) >= _FAST_EX_ENTRIES:
+                return None
+            entry = self._recorded_entry(key, vals, None, _views(key[3]))
+            try:
+                out = _executor.record(ex[0], entry[0], entry[1], ex[2])
+            except Exception:  # noqa: BLE001  (the slow path raises the op's own error, or PyTorch's)
+                return None
+            self._fast_rec[key] = entry
+            return out
+        if key in self._fast_ex:
             return None
         fn = self._make_fast(key[0], vals, None, _views(key[3]))
         try:
@@ -256,16 +269,33 @@ class OpKernel(Signature):
         self._fast_rec[key] = self._recorded_entry(key, vals, None, _views(key[3]))
 
     def _first_fast_call(self, args: tuple, fast: tuple, vals: list, inplace_dtype: torch.dtype | None) -> Any:
-        """Under DEFER_NEVER, the first call shaped for the fast path (its entry missing) runs through the entry
-        it installs, so the program is compiled once: through the slow path's general callable and then the
-        entry, each op compiled (and, on a warm start, loaded from the persistent cache) twice. Returns the
-        result array, or None when the slow path must run (another mode, a result the fast path cannot take, an
-        error, which the slow path raises as it always does)."""
-        key = (len(args), fast[1], inplace_dtype)
-        if (_current_mode() or key in self._fast or not self.lowering.jit or not self._fast_ok[len(args)]
-                or self.n_returns != 1):
+        """The first call shaped for the fast path (its entry missing) runs through the entry it installs. Under
+        DEFER_NEVER, so the program is compiled once: through the slow path's general callable and then the entry,
+        each op compiled (and, on a warm start, loaded from the persistent cache) twice. Under DEFER_AND_FUSE, so
+        the first step records the graph every later step records: through the slow path's callable it recorded
+        other nodes (and views read by nodes of their own), a graph of its own to compile. Returns the result
+        array (placeholder), or None when the slow path must run (another mode, a result the fast path cannot
+        take, an error, which the slow path raises as it always does)."""
+        n = len(args)
+        key = (n, fast[1], inplace_dtype)
+        if not self.lowering.jit or not self._fast_ok[n] or self.n_returns != 1:
+            return None
+        if _current_mode():
+            if not _recording() or key in self._fast_rec:
+                return None
+            entry = self._recorded_entry(key, vals, inplace_dtype)
+            try:
+                out = _executor.record(fast[0], entry[0], entry[1], fast[2])
+            except Exception:  # noqa: BLE001  (the slow path raises the op's own error, or PyTorch's)
+                return None
+            if isinstance(out, (tuple, list)) or (inplace_dtype is not None and not _set_whole(args[0], out)):
+                return None
+            self._fast_rec[key] = entry
+            self._install_fast(n, fast[1], vals, inplace_dtype)  # DEFER_AND_FUSE runs one-op segments through it
+            return out
+        if key in self._fast:
             return None  # (an entry that exists has run and declined this call: the slow path decides)
-        fn = self._make_fast(len(args), vals, inplace_dtype)
+        fn = self._make_fast(n, vals, inplace_dtype)
         try:
             out = fn(*fast[2])
         except Exception:  # noqa: BLE001  (the slow path raises the op's own error, or PyTorch's)
