@@ -4,6 +4,7 @@ happened, and a call site that keeps recompiling for new shapes is warned about 
 
 from __future__ import annotations
 
+import copy
 import sys
 import warnings
 
@@ -133,6 +134,49 @@ def test_flush_reasons_and_unread_results_not_materialised() -> None:
     torch.testing.assert_close(d.cpu(), ((x.cpu() * 2 + 1).sin() + 1) * 5, rtol=1e-6, atol=1e-6)
 
 
+def test_backward_and_optimizer_step_ends_run_the_recorded_graph_without_waiting() -> None:
+    """When a backward pass that recorded tpu ops ends, and when an optimizer step ends, the caller's pending graph
+    is run (dispatched, not waited for), so the device computes forward and backward while the host records the
+    optimizer step, and the update while it records the next forward pass. Values as on CPU."""
+    from torch_tpu import _deferred
+
+    torch.manual_seed(0)
+    cpu = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4))
+    model = copy.deepcopy(cpu).tpu()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (cpu, model)]
+    x = torch.randn(5, 8)
+    expected = []
+    for _ in range(3):
+        opts[0].zero_grad()
+        loss = cpu(x).square().mean()
+        loss.backward()
+        opts[0].step()
+        expected.append(loss.item())
+    torch.tpu.synchronize()
+    torch.tpu.reset_metrics()
+    got = []
+    with torch.tpu.set_eager_mode(FUSE):
+        for step in range(1, 4):
+            opts[1].zero_grad()
+            loss = model(x.tpu()).square().mean()
+            assert _deferred.thread_graph(0) is not None  # the forward pass: recorded
+            loss.backward()
+            assert _deferred.thread_graph(0) is None, "the backward pass ended: its graph runs"
+            flushes = torch.tpu.metrics().flushes
+            assert (flushes["backward_end"], flushes.get("optimizer_step", 0)) == (step, step - 1), flushes
+            opts[1].step()
+            assert _deferred.thread_graph(0) is None, "the optimizer step ended: its graph runs"
+            got.append(loss.item())
+        grad = torch.autograd.grad(model(x.tpu()).sum(), model[0].weight)[0]  # autograd.grad ends the same way
+        assert _deferred.thread_graph(0) is None
+        flushes = torch.tpu.metrics().flushes
+        assert flushes == {"backward_end": 4, "optimizer_step": 3}, "loss.item() read values already dispatched"
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for p, q in zip(cpu.parameters(), model.parameters()):
+        torch.testing.assert_close(q.cpu(), p, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grad.cpu(), torch.autograd.grad(cpu(x).sum(), cpu[0].weight)[0], rtol=1e-4, atol=1e-5)
+
+
 def test_arange_is_recorded_not_a_flush() -> None:
     """torch.arange's size comes from host numbers: under DEFER_AND_FUSE it joins the pending graph (Hugging Face
     models call it in every forward; as a boundary it ran every pending graph first, and could not be captured)."""
@@ -253,9 +297,10 @@ def test_examples_train_the_same_fused(name: str) -> None:
     torch.tpu.reset_metrics()
     fused, m2 = run("DEFER_AND_FUSE")
     metrics = torch.tpu.metrics()
-    # One flush per step (loss.item()), each a cached graph after the first steps.
-    assert metrics.flushes == {"item": 10}, metrics.flushes
-    assert metrics.fused_graph_compiles <= 3
+    # Two flushes per step, as its backward pass and its optimizer step end (loss.item() reads a value the first
+    # computed), each a cached graph after the first steps.
+    assert metrics.flushes == {"backward_end": 10, "optimizer_step": 10}, metrics.flushes
+    assert metrics.fused_graph_compiles <= 3  # forward+backward, the first update (it makes the state), the next
     # The same ops, fused: XLA may order a fused reduction differently (convolutions with batch norm feel it
     # most, ~1e-5 per step here), so losses agree to 1e-5 (1e-4 for the conv net) and every parameter and
     # buffer to 1e-3 absolute (a tenth of a learning-rate step) after 10 steps.

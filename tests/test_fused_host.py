@@ -83,13 +83,28 @@ def _model_and_steps(seed: int = 0):
     return model, step
 
 
-def _train_without_sync(mode, steps: int) -> tuple[torch.nn.Module, list[torch.Tensor], dict]:
+def _run_without_sync(mode, steps: int, train: bool) -> tuple[torch.nn.Module, list[torch.Tensor], dict]:
+    """`steps` training steps, or without `train` a stream of forward passes feeding back (no backward pass, no
+    optimizer: an inference or decoding loop), that never read a value."""
     model, step = _model_and_steps()
+    if not train:
+        h = torch.randn(8, 12, generator=torch.Generator().manual_seed(1)).tpu()
+        ema = torch.zeros(8, 5, device="tpu")
+        head = torch.nn.Linear(5, 12).tpu()
+
+        @torch.no_grad()
+        def step() -> torch.Tensor:  # noqa: F811
+            nonlocal h
+            out = model(h)
+            ema.mul_(0.9).add_(out, alpha=0.1)
+            h = head(out).tanh()
+            return ema.sum()
+
     with torch.tpu.set_eager_mode(mode):
         step()  # the first step creates the optimizer state: a structure of its own
         torch.tpu.synchronize()
         before = torch.tpu.metrics()
-        losses = [step() for _ in range(steps)]  # nothing reads a value: one graph grows until its size limit
+        losses = [step() for _ in range(steps)]  # nothing reads a value
         after = torch.tpu.metrics()
         values = [t.cpu() for t in losses]
     counts = {"compiles": after.fused_graph_compiles - before.fused_graph_compiles,
@@ -99,15 +114,27 @@ def _train_without_sync(mode, steps: int) -> tuple[torch.nn.Module, list[torch.T
 
 
 def test_a_graph_growing_without_sync_is_cut_where_it_repeats(monkeypatch) -> None:
-    """40 steps without a read, graphs capped at 100 ops: cut at the size limit alone, each graph started at
-    another point of the step (about 8 structures to compile here); cut at a multiple of the step's period,
-    the graphs after the first have one structure: compiled once, replayed from then on."""
+    """A stream of 120 steps without a read, graphs capped at 100 ops: cut at the size limit alone, each graph
+    started at another point of the step (a new structure to compile each time); cut at a multiple of the step's
+    period, the graphs after the first have one structure: compiled once, replayed from then on."""
     monkeypatch.setattr(_deferred, "_MAX_OPS", 100)
-    never, never_losses, _ = _train_without_sync(torch.tpu.EagerMode.DEFER_NEVER, 40)
-    fused, fused_losses, counts = _train_without_sync(FUSE, 40)
+    never, never_values, _ = _run_without_sync(torch.tpu.EagerMode.DEFER_NEVER, 120, train=False)
+    fused, fused_values, counts = _run_without_sync(FUSE, 120, train=False)
     assert counts["cuts"] >= 10, counts
     assert counts["compiles"] <= 3, counts  # the first graph, the first cut at the period, nothing more
     assert counts["replays"] >= counts["cuts"] - 3, counts
+    torch.testing.assert_close(fused_values, never_values, rtol=1e-5, atol=1e-5)
+
+
+def test_a_training_loop_without_sync_runs_at_each_backward_and_update(monkeypatch) -> None:
+    """40 training steps without a read: each backward pass and optimizer step runs its graph as it ends, so no
+    graph grows to the size limit, and every step after the first replays the same two programs."""
+    monkeypatch.setattr(_deferred, "_MAX_OPS", 100)
+    never, never_losses, _ = _run_without_sync(torch.tpu.EagerMode.DEFER_NEVER, 40, train=True)
+    fused, fused_losses, counts = _run_without_sync(FUSE, 40, train=True)
+    assert counts["cuts"] == 0, counts
+    assert counts["compiles"] <= 1, counts  # (the second update: the first created the optimizer's state)
+    assert counts["replays"] >= 2 * 40 - 3, counts
     torch.testing.assert_close(fused_losses, never_losses, rtol=1e-5, atol=1e-5)
     for (n, p), (_, q) in zip(never.state_dict().items(), fused.state_dict().items()):
         torch.testing.assert_close(q.cpu(), p.cpu(), rtol=1e-4, atol=1e-4, msg=lambda m: f"{n}: {m}")

@@ -11,7 +11,8 @@ placeholder for its array on first read, through `resolve` (the placeholder cont
 
 A graph is flushed when a value is needed: `.cpu()`, `.item()`, printing, `torch.tpu.synchronize()`, an op
 with data-dependent shapes or any kernel not written for deferral (they run eagerly after the flush), a mode
-change, a tensor moving to another device, and a size limit (TORCH_TPU_FUSE_MAX_OPS, default 1000 ops).
+change, a tensor moving to another device, and a size limit (TORCH_TPU_FUSE_MAX_OPS, default 1000 ops). It is
+also run, without waiting for it, when a backward pass or an optimizer step ends (see _run_at_backward_end).
 The graph's cache key is structural: per op its callable's id, where its inputs come from, and their
 shapes/dtypes; Python scalars are inputs, so new values do not recompile.
 
@@ -31,12 +32,15 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 import itertools
 import operator
 import sys
 import threading
 import weakref
 from typing import Any, Callable
+
+import torch
 
 from torch_tpu import _checks, _memory, _metrics, _runtime
 from torch_tpu._jax import jax
@@ -95,6 +99,8 @@ def set_thread_mode(value: Any) -> int:
     """Sets the calling thread's own mode (None: it runs in the process default again); returns its previous
     own mode (-1 when it had none), for restore_thread_mode."""
     new = -1 if value is None else int(_parse_mode(value))
+    if new == EagerMode.DEFER_AND_FUSE:
+        _watch_optimizer_steps()
     old_own, old = _C._thread_mode(), _C._mode()
     _C._set_thread_mode(new)
     _changed(old)
@@ -110,6 +116,8 @@ def restore_thread_mode(own: int) -> None:
 def set_default_mode(value: Any) -> EagerMode:
     """Sets the process default (the mode of threads without one of their own); returns the previous one."""
     new = _parse_mode(value)
+    if new == EagerMode.DEFER_AND_FUSE:
+        _watch_optimizer_steps()
     old_default, old = EagerMode(_C._default_mode()), _C._mode()
     _C._set_default_mode(int(new))
     _changed(old)
@@ -121,6 +129,8 @@ def set_mode(value: Any) -> None:
     in, ending a set_eager_mode block's own mode); in any other thread, that thread's own mode."""
     if threading.current_thread() is threading.main_thread():
         new = _parse_mode(value)
+        if new == EagerMode.DEFER_AND_FUSE:
+            _watch_optimizer_steps()
         old = _C._mode()
         _C._set_default_mode(int(new))
         _C._set_thread_mode(-1)
@@ -510,7 +520,67 @@ def record(index: int, fkey: Any, fn: Callable[..., Any], args: tuple | list) ->
             continue
         if full is not None:
             flush(full, "size_limit")
+        if _task_id() >= 0 and _task_id() not in _ending:
+            _run_at_backward_end()
         return result
+
+
+# ---- the ends of a backward pass and of an optimizer step ----
+# A training step records its forward pass, backward pass and optimizer update, and only then reads a value
+# (`loss.item()`): the device waited for the last op to be recorded before any of the step ran. So when a backward
+# pass that recorded tpu ops ends, and when an optimizer step ends under DEFER_AND_FUSE, the graphs of the thread
+# that called it are run (dispatched, not waited for): the device computes the forward and backward passes while
+# the host records the update, and the update while the host records the next forward pass; the next read waits
+# only for what it reads. A step is then two programs, forward+backward and the update, each with one structure
+# from the first step on (the whole step as one program had two: the first update creates the optimizer's state).
+# Neither is a synchronization (the host does not wait): metrics count them as "backward_end" and
+# "optimizer_step" flushes. Graphs being captured (torch.tpu.graph) are left alone.
+_task_id = torch._C._current_graph_task_id  # the autograd graph task this thread runs a node of, or -1
+_ending: set[int] = set()  # graph tasks whose end is queued
+
+
+def _run_at_backward_end() -> None:
+    task = _task_id()
+    if len(_ending) > 1024:  # tasks that raised never ran their callback
+        _ending.clear()
+    _ending.add(task)
+    torch.autograd.Variable._execution_engine.queue_callback(
+        functools.partial(_backward_ended, task, _C._graph_owner()))
+
+
+def _backward_ended(task: int, owner: int) -> None:
+    _ending.discard(task)
+    _run_graphs_of(owner, "backward_end")
+
+
+def optimizer_step_ended(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """A global optimizer step post-hook (_watch_optimizer_steps)."""
+    if torch.compiler.is_compiling() or not recording():
+        return
+    _run_graphs_of(_C._graph_owner(), "optimizer_step")
+
+
+_optimizer_hook: Any = None
+
+
+def _watch_optimizer_steps() -> None:
+    """Installs optimizer_step_ended as a global optimizer step post-hook the first time a mode is set to
+    DEFER_AND_FUSE: a process that never fuses keeps no hook of ours in `Optimizer.step` (Dynamo, compiling a step,
+    would break its graph at a torch_tpu function)."""
+    global _optimizer_hook
+    if _optimizer_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _optimizer_hook = register_optimizer_step_post_hook(optimizer_step_ended)
+
+
+def _run_graphs_of(owner: int, reason: str) -> None:
+    if not _graphs:
+        return
+    with _lock:
+        graphs = [g for (o, _), g in _graphs.items() if o == owner and g.capture is None]
+    for g in graphs:
+        flush(g, reason)
 
 
 def _record(index: int, fkey: Any, fn: Callable[..., Any], args: tuple | list) -> tuple[Any, _Graph | None]:

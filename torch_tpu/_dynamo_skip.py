@@ -30,13 +30,14 @@ def skip_kernels() -> None:
         from torch._C._dynamo import eval_frame
     except ImportError:  # a torch without Dynamo
         return
-    from torch_tpu import _eager, _executor, _foreach, _runtime, _storage, device_module
+    from torch_tpu import _deferred, _eager, _executor, _foreach, _runtime, _storage, device_module
     from torch_tpu.kernels import registry
 
     skip = eval_frame._FrameAction.SKIP
     strategy = eval_frame._FrameExecStrategy(skip, skip)
     entries = [_eager.OpKernel.functional, _eager.OpKernel.inplace, _eager.OpKernel.out, _foreach.ForeachKernel.__call__,
-               _runtime.start, device_module._synchronize, _storage.resize_array, *registry.DIRECT.values()]
+               _runtime.start, device_module._synchronize, _storage.resize_array, _deferred._backward_ended,
+               *registry.DIRECT.values()]
     try:  # kernels installed through DEFER_AND_FUSE's boundary wrapper: C++ calls the wrapper (one code object)
         entries.append(_executor.boundary(lambda: None, "dynamo"))
         entries.append(_executor.blocking_after(lambda: None))

@@ -103,8 +103,14 @@ def tick(reason: str = "") -> None:
         observer.on_sync(reason)
 
 
+# Flushes the host does not wait for (torch_tpu/_deferred.py runs the graphs as a backward pass or an optimizer
+# step ends): not a step's end, nor a synchronization for the doctor.
+_NOT_SYNCS = frozenset(("backward_end", "optimizer_step"))
+
+
 def flush(reason: str, n_ops: int, n_outputs: int, replayed: bool = False) -> None:
-    tick(reason)
+    if reason not in _NOT_SYNCS:
+        tick(reason)
     with _lock:
         _flushes[reason] += 1
         _counts["fused_ops"] += n_ops
