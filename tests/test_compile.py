@@ -257,3 +257,45 @@ def test_integer_indexing_and_index_put_on_an_input() -> None:
     want = f(x, i, v)
     torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(xt.cpu(), x)
+
+
+@pytest.mark.parametrize("backend", ["tpu", "inductor"])
+def test_a_graph_break_before_the_first_eager_ops_of_a_fresh_process(backend: str) -> None:
+    """A compiled training step with `opt.zero_grad()` inside (a graph break: Dynamo skips it) in a fresh process:
+    the ops after the break ran eagerly for the first time inside a frame Dynamo handles, and Dynamo compiled JAX's
+    own tracing frames as user code; GELU's first call failed ("multiply requires ndarray or scalar arguments, got
+    DynamicJaxprTracer"), with either backend. JAX's packages are on Dynamo's skip list from its start."""
+    r = run_python(f"""
+import copy, torch
+import torch.nn as nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(256, 1024), nn.LayerNorm(1024), nn.GELU(), nn.Linear(1024, 256), nn.GELU(),
+                      nn.Linear(256, 10))
+cpu = copy.deepcopy(model)
+g = torch.Generator().manual_seed(0)
+x, y = torch.randn(64, 256, generator=g), torch.randint(0, 10, (64,), generator=g)
+model = model.to("tpu")
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+xd, yd = x.to("tpu"), y.to("tpu")
+loss_fn = F.cross_entropy
+def step():
+    opt.zero_grad()
+    loss = loss_fn(model(xd), yd)
+    loss.backward()
+    opt.step()
+    return loss
+compiled = torch.compile(step, backend={backend!r})
+got = [compiled().item() for _ in range(3)]
+cpu_opt = torch.optim.AdamW(cpu.parameters(), lr=1e-3)
+expected = []
+for _ in range(3):
+    cpu_opt.zero_grad()
+    loss = loss_fn(cpu(x), y)
+    loss.backward()
+    cpu_opt.step()
+    expected.append(loss.item())
+torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+print("ok")
+""", timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

@@ -225,9 +225,9 @@ def _register() -> None:
     from torch._dynamo import trace_rules
 
     register_interface_for_device("tpu", TpuInterface)
-    # User code that calls torch.tpu.* or JAX inside a compiled function graph-breaks there instead of being traced.
-    for name in ("torch_tpu", "jax", "jaxlib"):
-        trace_rules.add(name)
+    # User code that calls torch.tpu.* inside a compiled function graph-breaks there instead of being traced (JAX's
+    # packages are on Dynamo's skip list from its start: torch_tpu/_dynamo_skip.py).
+    trace_rules.add("torch_tpu")
 
 
 _register()

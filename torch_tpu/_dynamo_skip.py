@@ -45,3 +45,28 @@ def skip_kernels() -> None:
         pass
     for code in _codes(entries):
         eval_frame.set_code_exec_strategy(code, strategy)
+    from torch_tpu import _import_hooks
+
+    _import_hooks.when_imported("torch._dynamo.trace_rules", _skip_jax)
+    # JAX's API boundary (one code object): the first Python frame of a jitted call's cache miss. When JAX loads
+    # (not before: `import torch` does not import JAX).
+    _import_hooks.when_imported(
+        "jax._src.traceback_util",
+        lambda tb: eval_frame.set_code_exec_strategy(tb.api_boundary(lambda: None).__code__, strategy))
+
+
+# JAX's own Python code is reached from C++ without a kernel frame above it: the C++ eager path calls a jitted
+# function, whose first call of new shapes (a cache miss) runs JAX's tracing in Python. Inside a frame that Dynamo
+# handles (after a graph break), Dynamo then compiled JAX's frames as user code, and the transformed frames computed
+# wrong values: a fresh process's `torch.compile`d training step with `opt.zero_grad()` inside (a graph break)
+# failed in GELU's first call ("multiply requires ndarray or scalar arguments, got DynamicJaxprTracer"). Dynamo's
+# skip list already holds numpy and other libraries that are never traced; JAX's packages join it when Dynamo loads.
+_NEVER_TRACED = ("jax", "jaxlib", "ml_dtypes", "opt_einsum")
+
+
+def _skip_jax(trace_rules: Any) -> None:
+    for name in _NEVER_TRACED:
+        try:
+            trace_rules.add(name)
+        except (ImportError, ValueError):  # not installed
+            pass
