@@ -99,8 +99,6 @@ def set_thread_mode(value: Any) -> int:
     """Sets the calling thread's own mode (None: it runs in the process default again); returns its previous
     own mode (-1 when it had none), for restore_thread_mode."""
     new = -1 if value is None else int(_parse_mode(value))
-    if new == EagerMode.DEFER_AND_FUSE:
-        _watch_optimizer_steps()
     old_own, old = _C._thread_mode(), _C._mode()
     _C._set_thread_mode(new)
     _changed(old)
@@ -116,8 +114,6 @@ def restore_thread_mode(own: int) -> None:
 def set_default_mode(value: Any) -> EagerMode:
     """Sets the process default (the mode of threads without one of their own); returns the previous one."""
     new = _parse_mode(value)
-    if new == EagerMode.DEFER_AND_FUSE:
-        _watch_optimizer_steps()
     old_default, old = EagerMode(_C._default_mode()), _C._mode()
     _C._set_default_mode(int(new))
     _changed(old)
@@ -129,8 +125,6 @@ def set_mode(value: Any) -> None:
     in, ending a set_eager_mode block's own mode); in any other thread, that thread's own mode."""
     if threading.current_thread() is threading.main_thread():
         new = _parse_mode(value)
-        if new == EagerMode.DEFER_AND_FUSE:
-            _watch_optimizer_steps()
         old = _C._mode()
         _C._set_default_mode(int(new))
         _C._set_thread_mode(-1)
@@ -387,6 +381,8 @@ def _graph(index: int) -> _Graph:
         if _ended:
             _drop_ended()
         g = _graphs[key] = _Graph(*key)
+        if _optimizer_hook is None:
+            _watch_optimizer_steps()
         if getattr(_thread_end, "owner", None) is None and key[0] == _C._thread_id():
             _thread_end.owner = _ThreadEnd(key[0])
     return g
@@ -520,8 +516,9 @@ def record(index: int, fkey: Any, fn: Callable[..., Any], args: tuple | list) ->
             continue
         if full is not None:
             flush(full, "size_limit")
-        if _task_id() >= 0 and _task_id() not in _ending:
-            _run_at_backward_end()
+        task = _task_id()
+        if task >= 0 and task not in _ending:
+            _run_at_backward_end(task)
         return result
 
 
@@ -539,8 +536,7 @@ _task_id = torch._C._current_graph_task_id  # the autograd graph task this threa
 _ending: set[int] = set()  # graph tasks whose end is queued
 
 
-def _run_at_backward_end() -> None:
-    task = _task_id()
+def _run_at_backward_end(task: int) -> None:
     if len(_ending) > 1024:  # tasks that raised never ran their callback
         _ending.clear()
     _ending.add(task)
@@ -564,9 +560,9 @@ _optimizer_hook: Any = None
 
 
 def _watch_optimizer_steps() -> None:
-    """Installs optimizer_step_ended as a global optimizer step post-hook the first time a mode is set to
-    DEFER_AND_FUSE: a process that never fuses keeps no hook of ours in `Optimizer.step` (Dynamo, compiling a step,
-    would break its graph at a torch_tpu function)."""
+    """Installs optimizer_step_ended as a global optimizer step post-hook when the first pending graph is made
+    (_graph): a process that never fuses keeps no hook of ours in `Optimizer.step` (Dynamo, compiling a step, would
+    break its graph at a torch_tpu function)."""
     global _optimizer_hook
     if _optimizer_hook is None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -574,11 +570,14 @@ def _watch_optimizer_steps() -> None:
         _optimizer_hook = register_optimizer_step_post_hook(optimizer_step_ended)
 
 
-def _run_graphs_of(owner: int, reason: str) -> None:
-    if not _graphs:
+def _run_graphs_of(owner: int, reason: str, captured: bool = False) -> None:
+    """Runs the pending graphs of thread `owner` (with `captured`, also a capture's graph, whose flush raises)."""
+    if not _graphs and not _ended:  # nothing pending anywhere (sync-heavy code running its ops directly)
         return
     with _lock:
-        graphs = [g for (o, _), g in _graphs.items() if o == owner and g.capture is None]
+        if _ended:
+            _drop_ended()
+        graphs = [g for (o, _), g in _graphs.items() if o == owner and (captured or g.capture is None)]
     for g in graphs:
         flush(g, reason)
 
@@ -1098,15 +1097,7 @@ def flush_thread(reason: str) -> None:
     Other threads' graphs are theirs to run, like ops they have not issued yet: running them from here would
     cut their graphs at arbitrary points, so each flush would have a new structure to compile."""
     _segment_end(None, reason)  # the segment of an op that ran directly, if any (metrics count it as a flush)
-    if not _graphs and not _ended:  # nothing pending anywhere (sync-heavy code running its ops directly)
-        return
-    owner = _C._graph_owner()
-    with _lock:
-        if _ended:
-            _drop_ended()
-        graphs = [g for (o, _), g in _graphs.items() if o == owner]
-    for g in graphs:
-        flush(g, reason)
+    _run_graphs_of(_C._graph_owner(), reason, captured=True)
 
 
 def thread_graph(index: int) -> _Graph | None:
