@@ -147,3 +147,167 @@ def test_fused_learning_rate_tensor_on_the_device(name: str) -> None:
             lr.mul_(0.5)
         res[dev] = p.detach().cpu()
     torch.testing.assert_close(res["tpu"], res["cpu"], rtol=1e-6, atol=1e-7)
+
+
+# ---- DEFER_NEVER runs each optimizer step as one program (torch_tpu/_deferred.py, optimizer_step_starts) ----
+
+def _mlp_steps(device: str, make_opt, steps: int = 3, check=None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4)).to(device)
+    opt = make_opt(model.parameters())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(8, 16, generator=g).to(device), torch.randint(0, 4, (8,), generator=g).to(device)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        if check is not None:
+            check()
+    return [p.detach().cpu() for p in model.parameters()] + [
+        t.detach().cpu() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+
+
+UNFUSED = {
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    "adam_amsgrad": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True),
+    "sgd_nesterov": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, nesterov=True),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3),
+    "adamw_for_loop": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False),
+}
+
+
+@pytest.mark.parametrize("name", list(UNFUSED))
+def test_defer_never_runs_an_optimizer_step_as_one_program(name: str) -> None:
+    """Under DEFER_NEVER each step of an optimizer over tpu parameters runs as one program, dispatched as the
+    step ends (an `optimizer_step` flush); nothing stays pending, the thread is in DEFER_NEVER again, and
+    parameters and optimizer state equal CPU's."""
+    from torch_tpu import _deferred
+
+    assert torch.tpu.eager_mode == torch.tpu.EagerMode.DEFER_NEVER
+    seen = []
+
+    def check() -> None:
+        seen.append((torch.tpu.eager_mode, _deferred.thread_graph(0)))
+
+    before = torch.tpu.metrics()
+    got = _mlp_steps("tpu", UNFUSED[name], check=check)
+    after = torch.tpu.metrics()
+    assert after.flushes.get("optimizer_step", 0) - before.flushes.get("optimizer_step", 0) == 3
+    assert after.fused_graph_runs - before.fused_graph_runs == 3, "one program per step"
+    assert seen == [(torch.tpu.EagerMode.DEFER_NEVER, None)] * 3
+    want = _mlp_steps("cpu", UNFUSED[name])
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["fused", "launch_blocking", "turned_off"])
+def test_optimizer_steps_left_op_by_op(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No step fusion for a `fused=True` optimizer (its kernel is one program already), under
+    DEFER_NEVER_AND_LAUNCH_BLOCKING (op by op, each waited for), or with TORCH_TPU_FUSE_OPTIMIZER_STEPS=0."""
+    make = UNFUSED["adamw"]
+    mode = "DEFER_NEVER"
+    if case == "fused":
+        make = FUSED["adamw"]
+    elif case == "launch_blocking":
+        mode = "DEFER_NEVER_AND_LAUNCH_BLOCKING"
+    else:
+        monkeypatch.setenv("TORCH_TPU_FUSE_OPTIMIZER_STEPS", "0")
+    before = torch.tpu.metrics()
+    with torch.tpu.set_eager_mode(mode):
+        got = _mlp_steps("tpu", make)
+    after = torch.tpu.metrics()
+    assert after.fused_graph_runs == before.fused_graph_runs
+    assert after.flushes.get("optimizer_step", 0) == before.flushes.get("optimizer_step", 0)
+    for g, w in zip(got, _mlp_steps("cpu", make)):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_a_step_given_a_closure_runs_op_by_op() -> None:
+    """LBFGS calls its closure (forward, backward, a loss read as a Python number) inside the step and reads
+    tensors to decide when to stop: recorded, each read would be a new graph to compile. A step given a closure
+    runs op by op, and ends like CPU's."""
+    res = {}
+    for dev in ("cpu", "tpu"):
+        torch.manual_seed(0)
+        model = nn.Linear(6, 1).to(dev)
+        x = torch.randn(32, 6).to(dev)
+        y = (x @ torch.arange(6.0).to(dev)).unsqueeze(1)
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5)
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        before = torch.tpu.metrics()
+        losses = [opt.step(closure).item() for _ in range(3)]
+        assert torch.tpu.metrics().fused_graph_runs == before.fused_graph_runs
+        res[dev] = (losses, [p.detach().cpu() for p in model.parameters()])
+    torch.testing.assert_close(res["tpu"][0], res["cpu"][0], rtol=1e-4, atol=1e-5)
+    for g, w in zip(res["tpu"][1], res["cpu"][1]):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+class _RaisingSGD(torch.optim.SGD):
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"])
+        raise ValueError("raised inside the step")
+
+
+def test_a_step_that_raises_returns_the_thread_to_its_mode() -> None:
+    """A step that raises never reaches its post-hook: the thread is back in DEFER_NEVER at its next mode query,
+    flush or step, and the updates the step recorded before raising are not lost."""
+    for query in ("mode", "read", "next_step"):
+        p = nn.Parameter(torch.arange(4.0, device="tpu"))
+        opt = _RaisingSGD([p], lr=0.5)
+        (p * p).sum().backward()
+        with pytest.raises(ValueError, match="raised inside the step"):
+            opt.step()
+        if query == "mode":
+            assert torch.tpu.eager_mode == torch.tpu.EagerMode.DEFER_NEVER
+        elif query == "read":
+            torch.testing.assert_close(p.detach().cpu(), torch.arange(4.0) * 0.0)
+        else:
+            plain = torch.optim.SGD([nn.Parameter(torch.ones(2, device="tpu"))], lr=0.1)
+            plain.step()
+        assert torch.tpu.eager_mode == torch.tpu.EagerMode.DEFER_NEVER
+        torch.testing.assert_close(p.detach().cpu(), torch.arange(4.0) * 0.0)  # p - 0.5 * 2p
+        x = torch.ones(2, device="tpu") + 1  # op by op again: nothing recorded
+        from torch_tpu import _deferred
+
+        assert _deferred.thread_graph(0) is None
+        assert x.cpu().tolist() == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("backend", ["tpu", "inductor"])
+def test_the_optimizer_hooks_do_not_break_a_compiled_step(backend: str) -> None:
+    """torch_tpu's optimizer step hooks are invisible to torch.compile: a compiled function doing a step has no
+    graph break there (Dynamo ignores them), and its parameters follow CPU's."""
+    import torch._dynamo
+
+    from torch_tpu import _compile  # noqa: F401  (torch_tpu's Dynamo skip rule, which backend tpu installs)
+
+    res = {}
+    for dev in ("cpu", "tpu"):
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.randn(5).to(dev))
+        opt = torch.optim.AdamW([p], lr=0.1)
+        for _ in range(2):
+            p.grad = (p * 2).detach()
+            opt.step()  # eager: creates the state
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(opt.step)()
+        reasons = [str(b.reason) for b in explained.break_reasons]
+        assert not any("torch_tpu" in r or "optimizer_step" in r for r in reasons), reasons
+        step = torch.compile(opt.step, backend=backend if dev == "tpu" else "inductor")
+        for _ in range(2):
+            p.grad = (p * 2).detach()
+            step()
+        res[dev] = p.detach().cpu()
+    torch._dynamo.reset()
+    torch.testing.assert_close(res["tpu"], res["cpu"], rtol=1e-5, atol=1e-6)

@@ -89,8 +89,9 @@ def _join_launcher_world() -> None:
 
 
 def _after_runtime_start() -> None:
-    from torch_tpu import _programs, compile_cache
+    from torch_tpu import _deferred, _programs, compile_cache
 
+    _deferred.watch_optimizer_steps()  # step-end flushes; DEFER_NEVER's optimizer steps run as one program
     _programs.install()  # bounds the compiled programs kept alive (XLA:CPU maps memory per kernel)
     compile_cache.install()
 

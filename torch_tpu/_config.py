@@ -154,6 +154,8 @@ VARIABLES: tuple[Var, ...] = (
                "'warn' (or 1) to run ops without a tpu kernel on CPU (warning once per op), or 'strict' (or 0, "
                "off, unset) for the strict default"), 0,
         "ops without a tpu kernel: raise (strict), or run on CPU warning once per op (warn)", "strict"),
+    Var("TORCH_TPU_FUSE_OPTIMIZER_STEPS", boolean(True), True,
+        "DEFER_NEVER: record each optimizer step (tpu parameters, not `fused=True`) and run it as one program"),
     Var("TORCH_TPU_FUSE_MAX_OPS", positive_int, 1000, "DEFER_AND_FUSE: ops in one pending graph before it runs"),
     Var("TORCH_TPU_FUSE_CACHE", positive_int, 512, "DEFER_AND_FUSE: compiled fused programs kept (LRU)"),
     Var("TORCH_TPU_INDEX_CHECKS", boolean(True), True,

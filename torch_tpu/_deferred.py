@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import torch
 
-from torch_tpu import _checks, _memory, _metrics, _runtime
+from torch_tpu import _checks, _config, _memory, _metrics, _runtime
 from torch_tpu._jax import jax
 from torch_tpu._profiler import graph_program_name
 
@@ -99,6 +99,8 @@ def set_thread_mode(value: Any) -> int:
     """Sets the calling thread's own mode (None: it runs in the process default again); returns its previous
     own mode (-1 when it had none), for restore_thread_mode."""
     new = -1 if value is None else int(_parse_mode(value))
+    if getattr(_step, "scope", None) is not None:
+        _end_abandoned_step()
     old_own, old = _C._thread_mode(), _C._mode()
     _C._set_thread_mode(new)
     _changed(old)
@@ -381,8 +383,6 @@ def _graph(index: int) -> _Graph:
         if _ended:
             _drop_ended()
         g = _graphs[key] = _Graph(*key)
-        if _optimizer_hook is None:
-            _watch_optimizer_steps()
         if getattr(_thread_end, "owner", None) is None and key[0] == _C._thread_id():
             _thread_end.owner = _ThreadEnd(key[0])
     return g
@@ -549,25 +549,88 @@ def _backward_ended(task: int, owner: int) -> None:
     _run_graphs_of(owner, "backward_end")
 
 
-def optimizer_step_ended(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """A global optimizer step post-hook (_watch_optimizer_steps)."""
-    if torch.compiler.is_compiling() or not recording():
+# ---- DEFER_NEVER runs each optimizer step as one program ----
+# Op by op, an optimizer step is a program launch per multi-tensor op: AdamW over an MLP's 6 parameters made 17
+# launches and 1.2 ms of host work per step, more than the forward pass. So in a thread running DEFER_NEVER, a
+# step of an optimizer with tpu parameters is recorded as DEFER_AND_FUSE records (`optimizer_step_starts`, a
+# global pre-hook) and dispatched as one program when it ends (`optimizer_step_ended`), without waiting; the thread
+# is then back in DEFER_NEVER. The values are DEFER_AND_FUSE's, which the whole test suite checks against CPU; an
+# error in the step's own arithmetic is raised as the step records it or as it ends, inside `opt.step()` still.
+# Not for DEFER_NEVER_AND_LAUNCH_BLOCKING (debugging op by op), for `fused=True` optimizers (one program already),
+# under torch.compile, nor with TORCH_TPU_FUSE_OPTIMIZER_STEPS=0. A step that raises never reaches its post-hook:
+# the thread returns to its mode at its next flush, its next optimizer step or its next mode query
+# (`_end_abandoned_step`), whichever comes first; what it recorded meanwhile runs then, with the same values.
+_step = threading.local()  # .scope: (optimizer, the frame of its step's hook wrapper, the thread's own mode)
+
+
+def _on_tpu(optimizer: Any) -> bool:
+    for group in optimizer.param_groups:
+        params = group["params"]
+        if params and params[0].device.type == "tpu":
+            return True
+    return False
+
+
+def optimizer_step_starts(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """A global optimizer step pre-hook (watch_optimizer_steps)."""
+    if getattr(_step, "scope", None) is not None:
+        _end_abandoned_step()
+    if (_C._mode() != EagerMode.DEFER_NEVER or torch.compiler.is_compiling()
+            or optimizer.defaults.get("fused") or any(a is not None for a in args[1:])
+            or any(v is not None for v in kwargs.values()) or not _on_tpu(optimizer)
+            or not _config.get("TORCH_TPU_FUSE_OPTIMIZER_STEPS")):
         return
-    _run_graphs_of(_C._graph_owner(), "optimizer_step")
+    own = _C._thread_mode()
+    _C._set_thread_mode(int(EagerMode.DEFER_AND_FUSE))  # (from DEFER_NEVER: nothing pending to run)
+    _step.scope = (optimizer, sys._getframe(1), own)
 
 
-_optimizer_hook: Any = None
+def optimizer_step_ended(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """A global optimizer step post-hook (watch_optimizer_steps)."""
+    if torch.compiler.is_compiling():
+        return
+    scope = getattr(_step, "scope", None)
+    if scope is not None and scope[0] is optimizer and scope[1] is sys._getframe(1):
+        _step.scope = None
+        _run_graphs_of(_C._graph_owner(), "optimizer_step")
+        restore_thread_mode(scope[2])  # (anything recorded since, by another hook, runs here)
+    elif recording():
+        _run_graphs_of(_C._graph_owner(), "optimizer_step")
 
 
-def _watch_optimizer_steps() -> None:
-    """Installs optimizer_step_ended as a global optimizer step post-hook when the first pending graph is made
-    (_graph): a process that never fuses keeps no hook of ours in `Optimizer.step` (Dynamo, compiling a step, would
-    break its graph at a torch_tpu function)."""
-    global _optimizer_hook
-    if _optimizer_hook is None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+def mode_now() -> int:
+    """The calling thread's effective mode, for torch.tpu.eager_mode (after _end_abandoned_step)."""
+    if getattr(_step, "scope", None) is not None:
+        _end_abandoned_step()
+    return _C._mode()
 
-        _optimizer_hook = register_optimizer_step_post_hook(optimizer_step_ended)
+
+def _end_abandoned_step() -> None:
+    """Returns the calling thread to its own mode if the optimizer step that fused its ops raised (its frame
+    has left the stack without the post-hook running)."""
+    scope = getattr(_step, "scope", None)
+    if scope is None:
+        return
+    f = sys._getframe(1)
+    while f is not None:
+        if f is scope[1]:
+            return  # the step is still running
+        f = f.f_back
+    _step.scope = None
+    restore_thread_mode(scope[2])
+
+
+_optimizer_hooks: Any = None
+
+
+def watch_optimizer_steps() -> None:
+    """Installs the optimizer step hooks above (wired in torch_tpu/__init__.py when the runtime starts)."""
+    global _optimizer_hooks
+    if _optimizer_hooks is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        _optimizer_hooks = (register_optimizer_step_pre_hook(optimizer_step_starts),
+                            register_optimizer_step_post_hook(optimizer_step_ended))
 
 
 def _run_graphs_of(owner: int, reason: str, captured: bool = False) -> None:
@@ -713,6 +776,8 @@ def flush(g: _Graph | None, reason: str) -> None:
     later read runs it again."""
     if g is None:
         return
+    if getattr(_step, "scope", None) is not None:
+        _end_abandoned_step()
     with g.run_lock:
         with _lock:
             if g.done or not g.nodes:

@@ -48,6 +48,7 @@ def skip_kernels() -> None:
     from torch_tpu import _import_hooks
 
     _import_hooks.when_imported("torch._dynamo.trace_rules", _skip_jax)
+    _import_hooks.when_imported("torch._dynamo.config", _ignore_optimizer_hooks)
     # JAX's API boundary (one code object): the first Python frame of a jitted call's cache miss. When JAX loads
     # (not before: `import torch` does not import JAX).
     _import_hooks.when_imported(
@@ -70,3 +71,12 @@ def _skip_jax(trace_rules: Any) -> None:
             trace_rules.add(name)
         except (ImportError, ValueError):  # not installed
             pass
+
+
+def _ignore_optimizer_hooks(config: Any) -> None:
+    """torch_tpu's global optimizer step hooks (torch_tpu/_deferred.py) do nothing under torch.compile. Traced as
+    calls into torch_tpu (skipped), each would break the graph of a compiled step there, and run eagerly in the
+    middle of it; as ignored functions, Dynamo leaves them out of the graph without a break."""
+    from torch_tpu import _deferred
+
+    config.ignore_logging_functions.update((_deferred.optimizer_step_starts, _deferred.optimizer_step_ended))

@@ -319,7 +319,7 @@ __all__ += [
 # ---- execution modes and metrics ----
 
 def _get_eager_mode() -> EagerMode:
-    return EagerMode(_deferred.current_mode())
+    return EagerMode(_deferred.mode_now())
 
 
 @contextlib.contextmanager
