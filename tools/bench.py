@@ -808,10 +808,27 @@ def _tpu_step_variants(mod, modes=("DEFER_NEVER", "DEFER_AND_FUSE"), whole_step:
                 with torch.tpu.set_eager_mode(kind):
                     return step().item()
             return run
+        if kind == "DEFER_NEVER, optimizer op by op":  # the step fusion turned off (TORCH_TPU_FUSE_OPTIMIZER_STEPS)
+            def op_by_op() -> float:
+                import os
+
+                before = os.environ.get("TORCH_TPU_FUSE_OPTIMIZER_STEPS")
+                os.environ["TORCH_TPU_FUSE_OPTIMIZER_STEPS"] = "0"
+                try:
+                    with torch.tpu.set_eager_mode("DEFER_NEVER"):
+                        return step().item()
+                finally:
+                    if before is None:
+                        del os.environ["TORCH_TPU_FUSE_OPTIMIZER_STEPS"]
+                    else:
+                        os.environ["TORCH_TPU_FUSE_OPTIMIZER_STEPS"] = before
+            return op_by_op
         return lambda: step().item()
 
     for m in modes:
         out[m] = make(m)
+    if "DEFER_NEVER" in modes:
+        out["DEFER_NEVER, optimizer op by op"] = make("DEFER_NEVER, optimizer op by op")
     if whole_step:
         out["compiled step"] = make("compiled step")
     if compiled_model:
@@ -853,6 +870,10 @@ def _host_training(name: str, quick: bool, fused: bool, compiled: bool) -> None:
                   r["DEFER_AND_FUSE"] / j, 1.3)
         _host_info(f"b. {label} step DEFER_NEVER / jax.jit", f"never {ms('DEFER_NEVER')}  jax.jit {ms('jax')}",
                    f"{r['DEFER_NEVER'] / j:.2f}x")
+        # DEFER_NEVER runs each optimizer step as one program; the same step with that turned off, op by op.
+        _host_info(f"b. {label} DEFER_NEVER optimizer op by op / as one program",
+                   f"op by op {ms('DEFER_NEVER, optimizer op by op')}  one program {ms('DEFER_NEVER')}",
+                   f"{r['DEFER_NEVER, optimizer op by op'] / r['DEFER_NEVER']:.2f}x")
         # The step recorded once and replayed without Python per op (torch.tpu.graph, CUDA graphs' API).
         _host_info(f"b. {label} step replayed (torch.tpu.graph) / jax.jit",
                    f"replay {ms('graph')}  jax.jit {ms('jax')}", f"{r['graph'] / j:.2f}x")
