@@ -614,11 +614,12 @@ def load_program(structure: str, device: Any, inputs: list[Any]) -> Any:
     return program
 
 
-def compile_program(structure: str, device: Any, jitted: Any, inputs: list[Any]) -> Any:
-    """Compiles the jitted function `jitted` for `inputs` outside JAX's cache and stores the executable whole
-    under (`structure`, inputs, device), for `load_program` in later processes; returns the executable."""
+def compile_program(structure: str, device: Any, jitted: Any, inputs: list[Any], statics: tuple = ()) -> Any:
+    """Compiles the jitted function `jitted` for `inputs` (after its static leading arguments `statics`, which the
+    executable then no longer takes: `structure` must name them) outside JAX's cache and stores the executable
+    whole under (`structure`, inputs, device), for `load_program` in later processes; returns the executable."""
     with storing_elsewhere():  # stored below as a whole program: JAX's copy would be a duplicate
-        compiled = jitted.lower(*inputs).compile()
+        compiled = jitted.lower(*statics, *inputs).compile()
     store_executable(_program_text(structure, device, inputs), compiled)
     return compiled
 

@@ -79,7 +79,29 @@ class StoredGraph(OutputCode):
         self._data: bytes | None = None
         self._digest = ""
         self._boxed_call = True
-        self._call: Callable[[list], Any] | None = build(gm, example_inputs, *args, options)
+        self._pickle()  # the digest names the built program's executable in the compile cache (_program_key)
+        self._call: Callable[[list], Any] | None = build(gm, example_inputs, *args, options,
+                                                         key=self._program_key())
+
+    def _pickle(self) -> None:
+        from torch.fx._graph_pickler import GraphPickler
+
+        try:
+            self._data = GraphPickler.dumps(self._gm)  # only aten ops: graphs with custom ops are not stored
+        except Exception as e:  # noqa: BLE001 - not storable (prepare_for_serialization says so to AOTAutograd)
+            self._data, self._problem = None, e
+            return
+        self._digest = hashlib.sha256(self._data).hexdigest()
+
+    def _program_key(self) -> str | None:
+        """What the built program's executable is stored under in torch_tpu's compile cache (with its inputs'
+        shapes and the call's statics, compile_cache._program_text): the graph (its pickle's digest, nodes'
+        metadata included), torch_tpu's salt, the builder's arguments past the program's name (the first, which
+        holds a per-process graph number and changes nothing in the program) and where the inputs live. None when
+        the graph cannot be pickled: its program is traced and compiled as before."""
+        if not self._digest:
+            return None
+        return repr(("aot-graph", self._digest, self._salt, self._args[1:], self._inputs))
 
     def __call__(self, inputs: list) -> Any:
         return self._call(inputs)  # type: ignore[misc]
@@ -87,16 +109,13 @@ class StoredGraph(OutputCode):
     def prepare_for_serialization(self) -> None:
         # Called on a shallow copy (AOTAutogradCache's pre_save): the live object keeps its program.
         from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
-        from torch.fx._graph_pickler import GraphPickler
 
         gm = self._gm
         if gm is None or any(n.op == "placeholder" and "val" not in n.meta for n in gm.graph.nodes):
             raise BypassAOTAutogradCache("torch_tpu: the graph's metadata is gone; not stored")
-        try:
-            self._data = GraphPickler.dumps(gm)  # only aten ops: graphs with custom ops are not stored
-        except Exception as e:  # noqa: BLE001 - not storable: AOTAutograd goes on without an entry (quietly)
+        if self._data is None:  # (pickled when it was compiled: _pickle)
+            e = getattr(self, "_problem", None)
             raise BypassAOTAutogradCache(f"torch_tpu: graph not storable ({type(e).__name__}: {e})") from e
-        self._digest = hashlib.sha256(self._data).hexdigest()
         self._gm = None
         self._call = None
 
@@ -126,7 +145,7 @@ class StoredGraph(OutputCode):
             raise BypassAOTAutogradCache("torch_tpu: a stored graph lacks its metadata")
         gm.recompile()
         self._gm = gm
-        self._call = self._build(gm, _stand_ins(self._inputs), *self._args, self._options)
+        self._call = self._build(gm, _stand_ins(self._inputs), *self._args, self._options, key=self._program_key())
 
     def set_triton_bundle(self, triton_bundle: Any) -> None:
         pass

@@ -352,6 +352,7 @@ s = torch.tpu.compile_cache.stats()
 print("RESULT " + json.dumps({"out": out.detach().cpu().tolist(),
                              "grads": [p.grad.cpu().tolist() for p in model.parameters()],
                              "aot": dict(counters["aot_autograd"]), "graphs": counters["tpu"]["graphs"],
+                             "loaded": counters["tpu"]["programs_loaded"],
                              "misses": s.misses, "writes": s.writes,
                              "inductor_codegen": "torch._inductor.select_algorithm" in sys.modules}))
 """
@@ -387,9 +388,12 @@ def test_compiled_model_warm_start_loads_its_graphs(tmp_path) -> None:
     first, _ = _run_compiled(tmp_path)
     assert first["aot"].get("autograd_cache_miss") == 1 and first["graphs"] == 2  # forward and backward
     assert len(_aot_entries(tmp_path)) == 1
+    assert first["loaded"] == 0 and first["writes"] >= 2  # both programs stored whole
     second, err = _run_compiled(tmp_path)
-    # AOTAutograd skipped, the programs' executables loaded: nothing traced by AOTAutograd, nothing compiled
+    # AOTAutograd skipped, the programs' executables loaded whole: nothing traced by AOTAutograd, no graph traced or
+    # lowered again by JAX, nothing compiled
     assert second["aot"].get("autograd_cache_hit") == 1 and not second["aot"].get("autograd_cache_miss")
+    assert second["loaded"] == 2
     assert second["misses"] == 0 and second["writes"] == 0
     assert second["out"] == first["out"] and second["grads"] == first["grads"]
     assert "CompileCacheWarning" not in err
@@ -478,3 +482,40 @@ def test_pallas_setting_is_part_of_torch_tpus_keys(monkeypatch) -> None:
     reference = compile_cache._config_text()
     monkeypatch.setenv("TORCH_TPU_PALLAS", "interpret")
     assert compile_cache._config_text() != reference
+
+
+def test_a_stored_program_runs_other_shapes_and_statics_through_jit() -> None:
+    """A compiled graph's stored program (torch_tpu._compile._StoredProgram) runs the executable made for its first
+    call's statics and input shapes; a call with other statics, or inputs the executable does not take, runs through
+    jax.jit, with the right values either way."""
+    import uuid
+
+    import jax
+    import jax.numpy as jnp
+
+    from torch_tpu import _compile
+
+    def f(statics, x):
+        return x * statics[0] + 1
+
+    jitted = jax.jit(f, static_argnums=0)
+    prog = _compile._StoredProgram(jitted, repr(("test", uuid.uuid4().hex)), 0)
+    x = jnp.arange(4.0)
+    assert prog((2.0,), x).tolist() == [1.0, 3.0, 5.0, 7.0]
+    first = prog.program
+    assert first is not None and prog.statics == (2.0,)
+    assert prog((3.0,), x).tolist() == [1.0, 4.0, 7.0, 10.0]  # other statics: jax.jit
+    assert prog((2.0,), jnp.arange(3.0)).tolist() == [1.0, 3.0, 5.0]  # another shape: jax.jit from now on
+    assert prog((2.0,), x).tolist() == [1.0, 3.0, 5.0, 7.0]
+    assert prog.program is first
+    # The program collector (torch_tpu/_programs.py) drops the executables; the next call loads the stored one.
+    from torch._dynamo.utils import counters
+
+    again = _compile._StoredProgram(jitted, prog.structure, 0)
+    loaded = counters["tpu"]["programs_loaded"]
+    assert again((2.0,), x).tolist() == [1.0, 3.0, 5.0, 7.0]
+    assert counters["tpu"]["programs_loaded"] == loaded + 1, "stored by the first program's first call"
+    _compile._StoredProgram.drop()
+    assert again.program is None
+    assert again((2.0,), x).tolist() == [1.0, 3.0, 5.0, 7.0]
+    assert counters["tpu"]["programs_loaded"] == loaded + 2 and again.program is not None

@@ -36,6 +36,7 @@ import itertools
 import math
 import operator
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -45,7 +46,7 @@ import torch.fx
 from torch._dynamo.device_interface import DeviceInterface, register_interface_for_device
 from torch._dynamo.utils import counters
 
-from torch_tpu import _C, _checks, _executor, _memory, _rng, _runtime, _storage, _trace
+from torch_tpu import _C, _checks, _executor, _memory, _programs, _rng, _runtime, _storage, _trace
 from torch_tpu._jax import jax
 from torch_tpu._profiler import graph_program_name
 from torch_tpu.kernels import registry
@@ -420,16 +421,18 @@ def _user_outputs(name: str) -> int | None:
 
 
 def _build_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str, n_user: int | None,
-                 opts: dict[str, Any]) -> Callable[..., Any]:
+                 opts: dict[str, Any], key: str | None = None) -> Callable[..., Any]:
     """compile_aten_graph for torch_tpu.compile_cache.aot: when a graph is compiled, and again when a later process
-    loads it from AOTAutograd's cache (with the n_user of the first process)."""
-    return compile_aten_graph(gm, example_inputs, name, opts, n_user)
+    loads it from AOTAutograd's cache (with the n_user of the first process); `key` names the program's executable
+    in the compile cache (StoredGraph._program_key)."""
+    return compile_aten_graph(gm, example_inputs, name, opts, n_user, key)
 
 
 def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str,
-                       opts: dict[str, Any], n_user: int | None) -> Callable[..., Any]:
+                       opts: dict[str, Any], n_user: int | None, key: str | None = None) -> Callable[..., Any]:
     """One AOTAutograd graph -> a boxed callable running it as one jitted XLA program; `n_user`: a forward graph's
-    count of user outputs (`_user_outputs`)."""
+    count of user outputs (`_user_outputs`); `key`: a text naming the graph the same in every process (see
+    _StoredProgram), or None."""
     counters["tpu"]["graphs"] += 1
     dump_dir = Path(opts["dump_dir"]) if opts.get("dump_dir") else None
     if dump_dir is not None:
@@ -455,7 +458,64 @@ def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
             "region (torch._dynamo.disable or torch.compiler.disable); or set TORCH_TPU_COMPILE_FALLBACK=eager "
             "(or options={'fallback': 'eager'}) to run such graphs op by op in tpu eager.")
 
-    return _GraphProgram(gm, example_inputs, name, dump_dir, n_user).boxed()
+    return _GraphProgram(gm, example_inputs, name, dump_dir, n_user, key).boxed()
+
+
+class _StoredProgram:
+    """A graph's program whose executable is kept whole in torch_tpu's compile cache, under a key that means the same
+    in every process (`structure`: StoredGraph._program_key, the index checks and the donation mask), so a warm start
+    loads it instead of tracing and lowering the graph again (what AOTAutograd's cache cannot skip: it stores the
+    graph, not its XLA program). The first call loads the executable stored for its statics and inputs, or compiles
+    and stores it; later calls with the same statics run it (a call whose inputs differ in shape or dtype fails the
+    executable's own check before it runs, and then, like a call with other statics, runs through jax.jit as
+    before)."""
+
+    __slots__ = ("jitted", "structure", "index", "program", "statics", "__weakref__")
+
+    _NONE = object()
+    _live: "weakref.WeakSet[_StoredProgram]" = weakref.WeakSet()
+
+    def __init__(self, jitted: Any, structure: str, index: int) -> None:
+        self.jitted = jitted
+        self.structure = structure
+        self.index = index
+        self.program: Any = None
+        self.statics: Any = self._NONE
+        _StoredProgram._live.add(self)
+
+    def __call__(self, statics: tuple, *arrays: Any) -> Any:
+        program = self.program
+        if program is None:
+            program = self._first(statics, list(arrays))
+        if statics == self.statics:
+            try:
+                return program(*arrays)
+            except TypeError:  # other input shapes or dtypes (checked before anything runs): jax.jit from now on
+                self.statics = self._NONE
+        return self.jitted(statics, *arrays)
+
+    @classmethod
+    def drop(cls) -> None:
+        """Forgets every loaded executable (torch_tpu/_programs.py's collection); the next call loads it again."""
+        for p in list(cls._live):
+            p.program = None
+            p.statics = cls._NONE
+
+    def _first(self, statics: tuple, arrays: list) -> None:
+        from torch_tpu import compile_cache
+
+        device = _runtime.device(self.index)
+        structure = repr((self.structure, statics))
+        program = compile_cache.load_program(structure, device, arrays)
+        if program is not None:
+            counters["tpu"]["programs_loaded"] += 1
+        else:
+            program = compile_cache.compile_program(structure, device, self.jitted, arrays, statics=(statics,))
+        self.program, self.statics = program, statics
+        return program
+
+
+_programs.register_cache(_StoredProgram.drop)  # the program collector drops these executables too
 
 
 def _match_none(value: Any, expected: Any) -> Any:
@@ -571,9 +631,10 @@ class _GraphProgram:
     input updated from host values is then updated on the host, with no wait for the device."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str,
-                 dump_dir: Path | None, n_user_outputs: int | None = None) -> None:
+                 dump_dir: Path | None, n_user_outputs: int | None = None, key: str | None = None) -> None:
         self.gm = gm
         self.name = name
+        self.key = key
         self.dump_dir = dump_dir
         self.nodes = list(gm.graph.nodes)
         placeholders = [n for n in self.nodes if n.op == "placeholder"]
@@ -684,20 +745,26 @@ class _GraphProgram:
         # Programs by (index checks on, donation bitmask): with the index checks (the default) and without (the
         # unsafe opt-out, see _checks); one per set of donated inputs (in a steady loop: all of them).
         self._programs: dict[tuple[bool, int], Any] = {}
-        self.jitted, self.unchecked = self._program(True, 0), self._program(False, 0)
+        self.jitted, self.unchecked = self._jitted(True, 0), self._jitted(False, 0)
         self.dumped: set[tuple] = set()
+
+    def _jitted(self, checked: bool, mask: int) -> Any:
+        kwargs: dict[str, Any] = {"static_argnums": 0}
+        if mask:
+            kwargs["donate_argnums"] = tuple(1 + k for j, k in enumerate(self.donate) if mask >> j & 1)
+        if not self.tensor_idx:  # nothing to follow: place the outputs on the graph's device
+            kwargs["out_shardings"] = jax.sharding.SingleDeviceSharding(_runtime.device(self.index))
+        return jax.jit(self._named_run, **kwargs)
 
     def _program(self, checked: bool, mask: int) -> Any:
         prog = self._programs.get((checked, mask))
         if prog is None and self.spmd is not None:
             prog = self._programs[(checked, mask)] = _spmd_program(self._named_run, self.spmd[0], self.index)
         if prog is None:
-            kwargs: dict[str, Any] = {"static_argnums": 0}
-            if mask:
-                kwargs["donate_argnums"] = tuple(1 + k for j, k in enumerate(self.donate) if mask >> j & 1)
-            if not self.tensor_idx:  # nothing to follow: place the outputs on the graph's device
-                kwargs["out_shardings"] = jax.sharding.SingleDeviceSharding(_runtime.device(self.index))
-            prog = self._programs[(checked, mask)] = jax.jit(self._named_run, **kwargs)
+            prog = self._jitted(checked, mask)
+            if self.key is not None:
+                prog = _StoredProgram(prog, repr((self.key, checked, mask)), self.index)
+            self._programs[(checked, mask)] = prog
         return prog
 
     # -- the traced function: the FX interpreter over JAX values --
