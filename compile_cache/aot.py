@@ -89,7 +89,8 @@ class StoredGraph(OutputCode):
         try:
             self._data = GraphPickler.dumps(self._gm)  # only aten ops: graphs with custom ops are not stored
         except Exception as e:  # noqa: BLE001 - not storable (prepare_for_serialization says so to AOTAutograd)
-            self._data, self._problem = None, e
+            # (its text only: the exception's frames would keep the graph's fake tensors alive)
+            self._data, self._problem = None, f"{type(e).__name__}: {e}"
             return
         self._digest = hashlib.sha256(self._data).hexdigest()
 
@@ -114,8 +115,7 @@ class StoredGraph(OutputCode):
         if gm is None or any(n.op == "placeholder" and "val" not in n.meta for n in gm.graph.nodes):
             raise BypassAOTAutogradCache("torch_tpu: the graph's metadata is gone; not stored")
         if self._data is None:  # (pickled when it was compiled: _pickle)
-            e = getattr(self, "_problem", None)
-            raise BypassAOTAutogradCache(f"torch_tpu: graph not storable ({type(e).__name__}: {e})") from e
+            raise BypassAOTAutogradCache(f"torch_tpu: graph not storable ({getattr(self, '_problem', '?')})")
         self._gm = None
         self._call = None
 
