@@ -745,7 +745,8 @@ class _GraphProgram:
         # Programs by (index checks on, donation bitmask): with the index checks (the default) and without (the
         # unsafe opt-out, see _checks); one per set of donated inputs (in a steady loop: all of them).
         self._programs: dict[tuple[bool, int], Any] = {}
-        self.jitted, self.unchecked = self._jitted(True, 0), self._jitted(False, 0)
+        # What `_dump` lowers (index checks on, nothing donated): the SPMD program itself, else the plain jax.jit.
+        self.jitted = self._program(True, 0) if self.spmd is not None else self._jitted(True, 0)
         self.dumped: set[tuple] = set()
 
     def _jitted(self, checked: bool, mask: int) -> Any:
