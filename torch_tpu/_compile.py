@@ -501,7 +501,7 @@ class _StoredProgram:
             p.program = None
             p.statics = cls._NONE
 
-    def _first(self, statics: tuple, arrays: list) -> None:
+    def _first(self, statics: tuple, arrays: list) -> Any:
         from torch_tpu import compile_cache
 
         device = _runtime.device(self.index)
