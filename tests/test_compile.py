@@ -91,6 +91,30 @@ def test_inference_mutation_and_buffers_match_cpu() -> None:
     assert counters["tpu"]["xla_programs"] == 1
 
 
+def test_a_graph_loaded_from_the_compile_cache_counts_one_program() -> None:
+    """The second compile of the same graph in a process loads its executable from the persistent cache
+    (torch_tpu._compile._StoredProgram) instead of tracing it: it is still one XLA program for the compile counters
+    over repeated calls, and its values match CPU (CI found the loaded path counted a program per call)."""
+    def f(x, w, acc):
+        acc.mul_(0.5).add_(x.sum())
+        return torch.tanh(x @ w) + acc, (x * 2).t()
+
+    x, w = torch.randn(4, 3), torch.randn(3, 5)
+    acc_cpu = torch.ones(())
+    want = [tuple(t.clone() for t in f(x, w, acc_cpu)) for _ in range(3)]
+    for attempt in range(2):  # the second compile loads what the first stored (or loaded)
+        torch._dynamo.reset()
+        counters.clear()
+        acc = torch.ones((), device="tpu")
+        fn = torch.compile(f, backend="tpu")
+        got = [tuple(t.cpu() for t in fn(x.to("tpu"), w.to("tpu"), acc)) for _ in range(3)]
+        for g, e in zip(got, want):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(acc.cpu(), acc_cpu)
+        assert counters["tpu"]["graphs"] == counters["tpu"]["xla_programs"] == 1, dict(counters["tpu"])
+    assert counters["tpu"]["programs_loaded"] == 1, dict(counters["tpu"])
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
 def test_outputs_alias_inputs_and_keep_strides(grad: bool) -> None:
     def f(x, y):

@@ -723,6 +723,9 @@ class _GraphProgram:
                 self.out_spec.append(("value", j))
                 j += 1
         self.out_values: dict[tuple, list[Any]] = {}  # static key -> the non-tensor outputs
+        self.seen: set[tuple] = set()  # static keys called (counters["tpu"]["xla_programs"] counts each once)
+        if j:  # non-tensor outputs are known only from a trace: a program loaded whole would not have them
+            self.key = None
         # Random ops (dropout...): each call draws a (seed, offset) from the device's tpu generator, as eager does.
         self.random = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
                           and torch.Tag.nondeterministic_seeded in n.target.tags for n in self.nodes)
@@ -893,7 +896,7 @@ class _GraphProgram:
     def boxed(self) -> Callable[[list], Any]:
         tensor_idx, static_idx, mutated = self.tensor_idx, self.static_idx, self.mutated
         constants, index, out_spec = self.constants, self.index, self.out_spec
-        out_tuple, out_values = self.out_tuple, self.out_values
+        out_tuple, out_values, seen = self.out_tuple, self.out_values, self.seen
         host, feeds_packed = self.host, self.feeds_packed
         # The host part (CPU values from CPU inputs) as one generated function; what it returns, by position.
         host_fn, host_args, at = self._host_part() if host else (None, [], {})
@@ -917,7 +920,8 @@ class _GraphProgram:
                 arrays += _rng.program_draw(index)
             if self.dump_dir is not None and statics not in self.dumped:
                 self._dump(statics, arrays)
-            if statics not in out_values:
+            if statics not in seen:  # a program traced and compiled, or loaded whole (_StoredProgram)
+                seen.add(statics)
                 counters["tpu"]["xla_programs"] += 1
             checked = _checks.enabled
             if mask:
