@@ -960,13 +960,16 @@ def _host_nosync(quick: bool) -> None:
 
 
 _HOST_FIRST_STEP = """
-import sys, time
+import gc, sys, time
 import torch
 import torch._dynamo, torch._functorch.aot_autograd  # PyTorch's own imports
+# and those AOTAutograd's cache makes lazily at a first compile, for its key (FxGraphHashDetails), 0.24 s here
+import torch._higher_order_ops.triton_kernel_wrap, torch._inductor.codegen.wrapper
 sys.path.insert(0, {tools!r})
 import bench
 torch.zeros(1, device="tpu").cpu()  # start the runtime (PJRT client)
 bench._HostMLP.optimizer(torch.nn.Linear(1, 1))
+gc.collect()  # the imports' garbage: else a full collection (0.2 s here) may fall inside the step, as timeit avoids
 t0 = time.perf_counter()
 model, batches, loss_fn = bench._HostMLP.build(0)
 model = model.tpu()
@@ -990,7 +993,9 @@ def _host_cold(quick: bool) -> None:
     from pathlib import Path
 
     tools = str(Path(__file__).resolve().parent)
-    reps = 1  # a cold first step takes 4-16 s here: one pair per case keeps the whole host run near 4 min
+    # A cold first step takes 1-2 s here, a fresh process's start-up about 3 s: three pairs per case (one with
+    # --quick) add about a minute to the host run, and a median of three is steadier than one pair.
+    reps = 1 if quick else 3
     cases = (("DEFER_NEVER", 0.15), ("DEFER_AND_FUSE", 0.10), ("compiled model", 0.40))
     for label, target in cases[:1] if quick else cases:
         compiled = label == "compiled model"
