@@ -409,6 +409,11 @@ REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &g_allocator);
 
 c10::Allocator* tpu_allocator() { return &g_allocator; }
 
+bool is_buffer(const c10::Storage& storage) {
+  const c10::DataPtr& dp = storage.data_ptr();
+  return dp.device().type() == kTpu && dp.get_deleter() == &delete_buffer;
+}
+
 TpuBuffer* buffer_of(const c10::Storage& storage) {
   const c10::DataPtr& dp = storage.data_ptr();
   TORCH_CHECK(dp.device().type() == kTpu && dp.get_deleter() == &delete_buffer,

@@ -168,6 +168,13 @@ PyObject* py_set_array(PyObject* /*self*/, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
+// _is_tpu_buffer(tensor_or_storage) -> whether its storage is a torch_tpu buffer (_storage_array takes it)
+PyObject* py_is_tpu_buffer(PyObject* /*self*/, PyObject* obj) {
+  HANDLE_TH_ERRORS
+  return PyBool_FromLong(is_buffer(storage_arg(obj)));
+  END_HANDLE_TH_ERRORS
+}
+
 // _storage_array(tensor_or_storage) -> (array or None, nbytes, device_index)
 PyObject* py_storage_array(PyObject* /*self*/, PyObject* obj) {
   HANDLE_TH_ERRORS
@@ -680,6 +687,7 @@ PyMethodDef kFastMethods[] = {
     {"_wrap", py_wrap, METH_VARARGS, "wrap a device array as a new tpu tensor"},
     {"_set_array", py_set_array, METH_VARARGS, "replace a storage's device array"},
     {"_storage_array", py_storage_array, METH_O, "(array or None, nbytes, device) of a storage"},
+    {"_is_tpu_buffer", py_is_tpu_buffer, METH_O, "whether a storage is a torch_tpu buffer"},
     {"_whole_arrays", py_whole_arrays, METH_VARARGS, "a compiled graph's input arrays and which may be donated"},
     {"_write_wholes", py_write_wholes, METH_VARARGS, "swap in a compiled graph's mutated inputs' arrays"},
     {"_wrap_all", py_wrap_all, METH_VARARGS, "wrap a compiled graph's output arrays as new tpu tensors"},

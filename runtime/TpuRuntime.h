@@ -39,6 +39,9 @@ struct TpuBuffer {
 c10::Allocator* tpu_allocator();
 // The TpuBuffer behind a storage (throws if the storage is not a tpu storage).
 TpuBuffer* buffer_of(const c10::Storage& storage);
+// Whether the storage's bytes are a torch_tpu buffer (a storage that only says tpu, a functionalization
+// wrapper's, is not).
+bool is_buffer(const c10::Storage& storage);
 // Replaces the array of a buffer (steals nothing: increments `array`).
 void set_buffer_array(TpuBuffer* buf, PyObject* array, c10::ScalarType dtype,
                       std::vector<int64_t> shape);

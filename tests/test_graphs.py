@@ -32,6 +32,24 @@ def test_replay_reads_static_inputs_and_writes_static_outputs():
         torch.testing.assert_close(z.cpu(), (xc * 2 + y.cpu().sin()).relu().sum(1))
 
 
+def test_capture_beside_a_live_functional_tensor():
+    """A functionalization wrapper of a tpu tensor (AOTAutograd makes them while compiling; an exception's frames
+    can keep one alive) has a storage that says tpu but is no torch_tpu buffer: a capture started while one is
+    alive must neither fail on it ("expected a tpu storage") nor lose the tensor it wraps, which it still binds."""
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    x = torch.randn(8, 16, device="tpu")
+    with FunctionalTensorMode():
+        wrapper = FunctionalTensor.to_functional(x)
+    assert wrapper.untyped_storage().device.type == "tpu"
+    g, z = _capture(lambda: (x * 3).sum(0))
+    xc = torch.randn(8, 16)
+    x.copy_(xc.to("tpu"))
+    g.replay()
+    torch.testing.assert_close(z.cpu(), (xc * 3).sum(0))
+    del wrapper
+
+
 def test_capture_runs_nothing_until_replay():
     w = torch.randn(5, device="tpu")
     before = w.cpu()

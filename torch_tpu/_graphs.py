@@ -66,7 +66,9 @@ def _tpu_storages(index: int) -> dict[int, torch.UntypedStorage]:
                 st = t.untyped_storage()
             except Exception:  # noqa: BLE001  (wrapper subclasses without a storage of their own)
                 continue
-            if st.device.type == "tpu" and st.device.index == index:
+            # (a storage that says tpu without a torch_tpu buffer, a functionalization wrapper's left alive by a
+            # compile, holds no array to bind: the tensor it wraps is found on its own)
+            if st.device.type == "tpu" and st.device.index == index and _C._is_tpu_buffer(st):
                 found.setdefault(st._cdata, st)
     return found
 
