@@ -416,8 +416,7 @@ bool is_buffer(const c10::Storage& storage) {
 
 TpuBuffer* buffer_of(const c10::Storage& storage) {
   const c10::DataPtr& dp = storage.data_ptr();
-  TORCH_CHECK(dp.device().type() == kTpu && dp.get_deleter() == &delete_buffer,
-              "torch_tpu: expected a tpu storage, got one on ", dp.device());
+  TORCH_CHECK(is_buffer(storage), "torch_tpu: expected a tpu storage, got one on ", dp.device());
   check_not_forked();  // every read and write of a storage's array comes here
   return static_cast<TpuBuffer*>(dp.get_context());
 }

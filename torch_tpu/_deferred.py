@@ -558,9 +558,9 @@ def _backward_ended(task: int, owner: int) -> None:
 # error in the step's own arithmetic is raised as the step records it or as it ends, inside `opt.step()` still.
 # Not for DEFER_NEVER_AND_LAUNCH_BLOCKING (debugging op by op), for `fused=True` optimizers (one program already),
 # for a step given a closure (LBFGS: a forward and backward pass and value reads inside the step, each read a new
-# graph to compile), under torch.compile, nor with TORCH_TPU_FUSE_OPTIMIZER_STEPS=0. A step that raises never reaches its post-hook:
-# the thread returns to its mode at its next flush, its next optimizer step or its next mode query
-# (`_end_abandoned_step`), whichever comes first; what it recorded meanwhile runs then, with the same values.
+# graph to compile), under torch.compile, nor with TORCH_TPU_FUSE_OPTIMIZER_STEPS=0. A step that raises never
+# reaches its post-hook: the thread returns to its mode at its next flush, its next optimizer step or its next mode
+# query (`_end_abandoned_step`), whichever comes first; what it recorded meanwhile runs then, with the same values.
 _step = threading.local()  # .scope: (optimizer, the frame of its step's hook wrapper, the thread's own mode)
 
 
