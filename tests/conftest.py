@@ -5,12 +5,24 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
-import torch
+
+# The suite's compile caches live in a folder of its own, made fresh for each run, so that what a test sees does not
+# depend on what an earlier run on this machine left in ~/.cache/torch_tpu or PyTorch's Inductor/AOTAutograd cache:
+# a graph loaded whole from a warm cache is never traced, and tests that count traces would pass or fail by the
+# machine's history. Set before torch (and with it torch_tpu) loads; subprocesses the tests start inherit it. Tests
+# of the cache itself give their own folders.
+_CACHES = tempfile.mkdtemp(prefix="torch_tpu_tests_")
+os.environ["TORCH_TPU_CACHE_DIR"] = os.path.join(_CACHES, "xla")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_CACHES, "inductor")
+
+import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,6 +37,10 @@ def pytest_configure(config: pytest.Config) -> None:
             "as the README says (bash tools/setup.sh && .venv/bin/pytest tests), not from the repo root "
             "with `python -m pytest`."
         )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_CACHES, ignore_errors=True)
 
 
 def run_python(code: str, env: dict[str, str] | None = None, timeout: int = 300,
