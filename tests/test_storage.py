@@ -7,6 +7,7 @@ import copy
 import gc
 import io
 
+import pytest
 import torch
 
 from conftest import rss_bytes, run_python
@@ -45,6 +46,60 @@ def test_reads_of_views() -> None:
                  lambda t: t[0:1].expand(5, 3, 4), lambda t: t.as_strided((3, 3), (5, 2), 1), lambda t: t.flatten()[3:9]):
         torch.testing.assert_close(view(x).cpu(), view(cpu))
         torch.testing.assert_close((view(x) * 2).cpu(), view(cpu) * 2)
+
+
+# Views by geometry (sizes, strides, storage offset) of a storage of n elements: strided slices of dense blocks (read
+# and written as slices of the block, _storage._block_plan), and views that are not (overlapping, stride 0, strides
+# that do not nest: an element gather). Each written view has no two elements at one address.
+_GEOMETRIES = [
+    ((4, 4, 64, 16), (8192, 32, 128, 1), 16, 32768),  # q[..., 16:] of q = x.view(4, 64, 4, 32).transpose(1, 2)
+    ((4, 4, 64, 16), (8192, 2048, 32, 1), 0, 32768),  # the first half of a contiguous tensor's last dim
+    ((4, 64), (65, 1), 1, 260),  # labels[:, 1:] of a (4, 65) tensor
+    ((3, 5), (12, 2), 3, 36),  # [:, 1::2][:, 1:] of a (3, 12) tensor: a stride and an offset within it
+    ((2, 3, 2), (1, 8, 4), 0, 24),  # a permuted dense block
+    ((3, 2), (4, 1), 2, 12),  # the last row reaches the storage's end
+    ((3, 2), (4, 1), 0, 10),  # the storage ends before the last row's unused tail
+    ((2, 1, 3), (6, 9, 2), 1, 12),  # a size-1 dim with an unrelated stride
+    ((3, 3), (3, 2), 0, 11),  # strides that do not nest: gathered
+    ((3, 3), (1, 1), 0, 5),  # overlapping (read only): gathered
+    ((2, 3), (0, 2), 1, 6),  # stride 0 (read only)
+]
+
+
+@pytest.mark.parametrize("mode", ["DEFER_NEVER", "DEFER_AND_FUSE"])
+@pytest.mark.parametrize("sizes,strides,offset,n", _GEOMETRIES)
+def test_views_of_every_geometry_read_and_write_like_cpu(sizes, strides, offset, n, mode) -> None:
+    base_cpu = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    with torch.tpu.set_eager_mode(mode):
+        base = base_cpu.to("tpu")
+        view = base.as_strided(sizes, strides, offset)
+        want = base_cpu.as_strided(sizes, strides, offset)
+        torch.testing.assert_close(view.cpu(), want, rtol=0, atol=0)
+        torch.testing.assert_close((view * 2 + 1).cpu(), want * 2 + 1)
+        address = torch.arange(n).as_strided(sizes, strides, offset).reshape(-1)
+        if len(set(address.tolist())) == address.numel():
+            value = torch.randn(sizes, generator=torch.Generator().manual_seed(1))
+            view.copy_(value.to("tpu"))
+            want.copy_(value)
+            torch.testing.assert_close(base.cpu(), base_cpu, rtol=0, atol=0)
+
+
+def test_strided_slices_read_and_write_without_an_element_gather() -> None:
+    """Rotary embeddings slice a transposed tensor (`q[..., :d // 2]`) in every Hugging Face attention layer: the
+    programs read and write such views as slices of a dense block. An element gather or scatter over the storage
+    is slow on XLA:CPU and far slower on a TPU."""
+    from torch_tpu import _storage
+    from torch_tpu._jax import jax, jnp
+
+    flat = jax.ShapeDtypeStruct((32768,), jnp.float32)
+    for geom in (((4, 4, 64, 16), (8192, 32, 128, 1), 16), ((4, 64), (65, 1), 1), ((3, 5), (12, 2), 3)):
+        read = jax.jit(lambda f, g=geom: _storage._read_flat(f, *g)).lower(flat).as_text()
+        write = jax.jit(_storage._writer((32768,), jnp.float32, jnp.float32, geom)).lower(
+            flat, jax.ShapeDtypeStruct(geom[0], jnp.float32)).as_text()
+        assert "gather" not in read and "scatter" not in write, geom
+    # the fallback stays for views that are not such slices
+    read = jax.jit(lambda f: _storage._read_flat(f, (3, 3), (1, 1), 0)).lower(flat).as_text()
+    assert "gather" in read
 
 
 def test_dtype_reinterpreting_views() -> None:

@@ -81,6 +81,50 @@ def _gather_index(sizes: tuple[int, ...], strides: tuple[int, ...], offset: int)
     return idx
 
 
+@functools.lru_cache(maxsize=4096)
+def _block_plan(sizes: tuple[int, ...], strides: tuple[int, ...], offset: int) -> tuple | None:
+    """A view that is a strided slice of a dense block of its storage, as slices instead of an element gather: what
+    slicing a (possibly transposed) tensor makes, e.g. `q[..., :16]` of `q = x.view(b, s, h, d).transpose(1, 2)`
+    (rotary embeddings), `labels[:, 1:]`, `x[:, ::2]`. Its dims (size-1 dims left out), ordered by falling stride
+    s_0 > s_1 > ... > s_{k-1}, must nest (each stride divides the one before). Then the view is, within the block of
+    `rows * s_0` elements from `start`, reshaped to (rows, s_0/s_1, ..., s_{k-2}/s_{k-1}, s_{k-1}), the slice from
+    `lo` to `hi` (the offset's digits in that mixed radix; the last dim is the element picked within a stride), as
+    long as no dim wraps past its extent. Returns (start, block shape, lo, hi, the view's dims in that order), or
+    None (overlapping or irregular views, stride 0: the caller gathers)."""
+    dims = [d for d in range(len(sizes)) if sizes[d] != 1]
+    if not dims or any(strides[d] <= 0 for d in dims):
+        return None
+    order = sorted(dims, key=lambda d: -strides[d])
+    s = [strides[d] for d in order]
+    z = [sizes[d] for d in order]
+    shape = [z[0]]
+    for i in range(1, len(s)):
+        if s[i - 1] % s[i]:
+            return None
+        shape.append(s[i - 1] // s[i])
+    shape.append(s[-1])
+    row, rest = divmod(offset, s[0])
+    lo = [0]
+    for i in range(1, len(s)):
+        digit, rest = divmod(rest, s[i])
+        if digit + z[i] > shape[i]:
+            return None
+        lo.append(digit)
+    lo.append(rest)
+    hi = [a + b for a, b in zip(lo, z)] + [rest + 1]
+    return row * s[0], tuple(shape), tuple(lo), tuple(hi), tuple(order)
+
+
+def _block(flat: Any, start: int, shape: tuple[int, ...]) -> Any:
+    """`math.prod(shape)` elements of `flat` from `start`, reshaped to `shape` (zeros past the end: a last row that
+    the view does not reach into may be cut short in its storage)."""
+    end = start + math.prod(shape)
+    part = lax.slice(flat, (start,), (min(end, flat.shape[0]),))
+    if end > flat.shape[0]:
+        part = jnp.pad(part, (0, end - flat.shape[0]))
+    return part.reshape(shape)
+
+
 def _read_flat(flat: Any, sizes: tuple[int, ...], strides: tuple[int, ...], offset: int) -> Any:
     numel = math.prod(sizes)
     if numel == 0:
@@ -99,6 +143,12 @@ def _read_flat(flat: Any, sizes: tuple[int, ...], strides: tuple[int, ...], offs
     if _is_contiguous(psizes, pstrides):
         block = lax.slice(flat, (offset,), (offset + numel,)).reshape(psizes)
         return jnp.transpose(block, tuple(order.index(d) for d in range(len(sizes))))
+    plan = _block_plan(sizes, strides, offset)
+    if plan is not None:
+        start, shape, lo, hi, order = plan
+        part = lax.slice(_block(flat, start, shape), lo, hi).reshape(tuple(sizes[d] for d in order))
+        dims = sorted(order)  # the view's dims of size > 1, in the view's order
+        return jnp.transpose(part, tuple(order.index(d) for d in dims)).reshape(sizes)
     return flat[_gather_index(sizes, strides, offset)]
 
 
@@ -140,6 +190,14 @@ def _writer(base_shape: tuple[int, ...], base_dtype: Any, dtype: Any, geom: Geom
             return base
         if _is_contiguous(sizes, strides):
             flat = lax.dynamic_update_slice(flat, value.reshape(-1), (offset,))
+        elif (plan := _block_plan(sizes, strides, offset)) is not None:  # into the block it slices: no scatter
+            start, shape, lo, hi, order = plan
+            dims = sorted(order)
+            part = jnp.transpose(value.reshape(tuple(sizes[d] for d in dims)), tuple(dims.index(d) for d in order))
+            block = lax.dynamic_update_slice(_block(flat, start, shape), part.reshape(part.shape + (1,)), lo)
+            block = block.reshape(-1)[: flat.shape[0] - start]
+            flat = block if start == 0 and block.shape[0] == flat.shape[0] else lax.dynamic_update_slice(
+                flat, block, (start,))
         else:
             flat = flat.at[_gather_index(sizes, strides, offset)].set(value)
         if dtype != base_dtype:
