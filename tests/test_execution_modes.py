@@ -41,6 +41,25 @@ def test_mode_api() -> None:
         torch.tpu.eager_mode = "fast"
 
 
+def test_set_eager_mode_as_a_call() -> None:
+    """Called on its own (not in a `with`), set_eager_mode sets the thread's mode, as torch.set_grad_enabled
+    does: it used to be a bare context manager, so the call changed nothing and the ops ran one by one."""
+    torch.tpu.set_eager_mode(FUSE)
+    assert torch.tpu.eager_mode is FUSE
+    torch.tpu.reset_metrics()
+    x = torch.arange(6.0).reshape(2, 3).to("tpu")
+    y = (x * 2 + 1).sum(0)
+    torch.testing.assert_close(y.cpu(), (torch.arange(6.0).reshape(2, 3) * 2 + 1).sum(0))
+    assert torch.tpu.metrics().fused_ops >= 3  # recorded and run as a graph, not op by op
+    # Its `with` form still restores what the plain call set, and a bad name fails at the call.
+    with torch.tpu.set_eager_mode("DEFER_NEVER"):
+        assert torch.tpu.eager_mode is EagerMode.DEFER_NEVER
+    assert torch.tpu.eager_mode is FUSE
+    with pytest.raises(ValueError, match="DEFER_AND_FUSE"):
+        torch.tpu.set_eager_mode("fast")
+    assert torch.tpu.eager_mode is FUSE
+
+
 def test_mode_from_environment() -> None:
     out = run_python("import torch; print(torch.tpu.eager_mode)", env={"TORCH_TPU_EAGER_MODE": "DEFER_AND_FUSE"})
     assert out.returncode == 0, out.stderr

@@ -322,15 +322,24 @@ def _get_eager_mode() -> EagerMode:
     return EagerMode(_deferred.mode_now())
 
 
-@contextlib.contextmanager
-def set_eager_mode(mode: EagerMode | str) -> Iterator[None]:
-    """Runs the block in `mode` (an EagerMode or its name) on the calling thread only, then restores the
-    thread's previous mode. The thread's pending DEFER_AND_FUSE work runs when it leaves DEFER_AND_FUSE."""
-    own = _deferred.set_thread_mode(mode)
-    try:
-        yield
-    finally:
-        _deferred.restore_thread_mode(own)
+class set_eager_mode:
+    """Sets the calling thread's own mode to `mode` (an EagerMode or its name), as torch.set_grad_enabled sets grad
+    mode: used as `with torch.tpu.set_eager_mode(mode):` the block runs in `mode` and the thread's previous mode
+    comes back when it ends; called on its own, the thread keeps `mode` (as assigning `torch.tpu.eager_mode` in
+    that thread would). The mode changes when this is called, not when the block is entered: as a bare
+    generator-based context manager, a plain call silently changed nothing, and a loop meant for DEFER_AND_FUSE
+    ran op by op. The thread's pending DEFER_AND_FUSE work runs when it leaves DEFER_AND_FUSE."""
+
+    __slots__ = ("_own",)
+
+    def __init__(self, mode: EagerMode | str) -> None:
+        self._own = _deferred.set_thread_mode(mode)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        _deferred.restore_thread_mode(self._own)
 
 
 def set_default_eager_mode(mode: EagerMode | str) -> EagerMode:
