@@ -324,11 +324,12 @@ def _get_eager_mode() -> EagerMode:
 
 class set_eager_mode:
     """Sets the calling thread's own mode to `mode` (an EagerMode or its name), as torch.set_grad_enabled sets grad
-    mode: used as `with torch.tpu.set_eager_mode(mode):` the block runs in `mode` and the thread's previous mode
-    comes back when it ends; called on its own, the thread keeps `mode` (as assigning `torch.tpu.eager_mode` in
-    that thread would). The mode changes when this is called, not when the block is entered: as a bare
-    generator-based context manager, a plain call silently changed nothing, and a loop meant for DEFER_AND_FUSE
-    ran op by op. The thread's pending DEFER_AND_FUSE work runs when it leaves DEFER_AND_FUSE."""
+    mode: used as `with torch.tpu.set_eager_mode(mode):` the block runs in `mode` and the thread's previous mode comes
+    back when it ends; called on its own, the thread keeps `mode` as its own (in the main thread too, where assigning
+    `torch.tpu.eager_mode` sets the process default instead, and clears this). The mode changes when this is called, not
+    when the block is entered: as a bare generator-based context manager, a plain call silently changed nothing, and a
+    loop meant for DEFER_AND_FUSE ran op by op. The thread's pending DEFER_AND_FUSE work runs when it leaves
+    DEFER_AND_FUSE."""
 
     __slots__ = ("_own",)
 
@@ -344,7 +345,7 @@ class set_eager_mode:
 
 def set_default_eager_mode(mode: EagerMode | str) -> EagerMode:
     """Sets the process default mode, which threads without a mode of their own run in (new threads, and the
-    main thread unless a set_eager_mode block is active); returns the previous default. TORCH_TPU_EAGER_MODE
+    main thread unless set_eager_mode gave it a mode of its own); returns the previous default. TORCH_TPU_EAGER_MODE
     sets it at start-up."""
     return _deferred.set_default_mode(mode)
 
