@@ -79,25 +79,35 @@ def test_interrupt_after_the_program_consumed_its_inputs_says_so(monkeypatch) ->
 
 
 def test_ctrl_c_signal_during_a_flush_in_a_subprocess() -> None:
-    # A real SIGINT, delivered while the flush is busy (a slow compile step stands in for XLA's compiler).
+    # A real SIGINT, delivered while the flush is busy (a slow compile step stands in for XLA's compiler). The child
+    # reports to stderr what a failure needs to be told apart: whether the slow step ran (and in which thread), the
+    # mode the ops recorded in, the SIGINT handler it inherited and how long the read took. Two full local runs of the
+    # suite printed "no interrupt" here; 45 runs alone, the whole prefix of the suite and runs on a loaded machine did
+    # not reproduce it (a read of 60+ seconds would mean the signal never reached the sleeping main thread).
     code = textwrap.dedent("""
-        import os, signal, threading, time, torch
+        import os, signal, sys, threading, time, torch
         from torch_tpu import _deferred
         real = _deferred._fused_program
         slow = [True]
         def slow_compile(*args, **kwargs):
             if slow[0]:
                 slow[0] = False
+                print("slow compile in", threading.current_thread().name, file=sys.stderr, flush=True)
                 threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
                 time.sleep(60)
             return real(*args, **kwargs)
         _deferred._fused_program = slow_compile
+        print("SIGINT handler", signal.getsignal(signal.SIGINT), "blocked", signal.pthread_sigmask(signal.SIG_BLOCK, []),
+              file=sys.stderr)
         torch.manual_seed(0)
         x = torch.randn(6, 6)
         torch.tpu.eager_mode = "DEFER_AND_FUSE"
         xd = x.to("tpu")
         torch.tpu.synchronize()
         y = (xd.exp() + 1).log() * xd
+        pending = sum(len(g.nodes) for g in _deferred._graphs.values())
+        print("mode", torch.tpu.eager_mode, "pending ops", pending, file=sys.stderr)
+        start = time.monotonic()
         try:
             y.cpu()
             print("no interrupt")
@@ -105,6 +115,7 @@ def test_ctrl_c_signal_during_a_flush_in_a_subprocess() -> None:
             print("swallowed as", type(e).__name__)
         except KeyboardInterrupt:
             print("KeyboardInterrupt")
+        print("read took %.1f s" % (time.monotonic() - start), file=sys.stderr)
         torch.testing.assert_close(y.cpu(), (x.exp() + 1).log() * x)
         print("recomputed")
     """)
