@@ -67,10 +67,11 @@ def _patch_opinfo_stack_walk() -> None:
         module.extract_test_fn = _extract_test_fn
 
 
-_patch_opinfo_stack_walk()
-
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Here, not at import: a scenario subprocess imports conftest too (through test_distributed), and importing
+    # PyTorch's testing modules there would start the tpu runtime before its init_process_group.
+    _patch_opinfo_stack_walk()
     import torch_tpu
 
     where = Path(torch_tpu.__file__).resolve()
