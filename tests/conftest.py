@@ -22,16 +22,6 @@ _CACHES = tempfile.mkdtemp(prefix="torch_tpu_tests_")
 os.environ["TORCH_TPU_CACHE_DIR"] = os.path.join(_CACHES, "xla")
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_CACHES, "inductor")
 
-# XLA:CPU compiles the suite's many small programs with LLVM's optimizations off: a program of a matmul and a few
-# elementwise ops compiles in 54 ms instead of 168 ms here, and compiling is about a fifth of the suite's time
-# (files of the suite ran 11-12% faster, every test passing as before). The tests check values against CPU PyTorch
-# and behaviour, not the speed of XLA:CPU's generated code; XLA's own HLO passes are unchanged. Appended to a
-# developer's own XLA_FLAGS, and left out when those choose an optimization level themselves (to run the suite at
-# XLA's default: XLA_FLAGS=--xla_backend_optimization_level=2). Subprocesses the tests start inherit it.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-                               " --xla_llvm_disable_expensive_passes=true").strip()
-
 import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
