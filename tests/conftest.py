@@ -57,7 +57,6 @@ def _patch_opinfo_stack_walk() -> None:
         module.extract_test_fn = _extract_test_fn
 
 
-
 def pytest_configure(config: pytest.Config) -> None:
     # Here, not at import: a scenario subprocess imports conftest too (through test_distributed), and importing
     # PyTorch's testing modules there would start the tpu runtime before its init_process_group.
