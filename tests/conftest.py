@@ -72,6 +72,42 @@ def pytest_configure(config: pytest.Config) -> None:
         )
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--extended", action="store_true",
+                     help="also run the tests marked `extended` (bash tools/test_extended runs only those)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `extended` (the further variants of a behaviour CI checks once: more modes and dtypes of the
+    OpInfo sweeps, more world sizes and start-up orders) run only with --extended, or when named by node id, so
+    that the README's test command stays well inside CI's time limit on a 2-core machine."""
+    if config.getoption("--extended"):
+        return
+    named = [a.split("::", 1)[1] for a in config.args if "::" in a]
+
+    def wanted(item: pytest.Item) -> bool:
+        if item.get_closest_marker("extended") is None:
+            return True
+        test = item.nodeid.split("::", 1)[1]
+        return any(test == n or test.startswith(n + "[") or test.startswith(n + "::") for n in named)
+
+    kept = [item for item in items if wanted(item)]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if not wanted(item)])
+        config.stash[_EXTENDED_LEFT] = len(items) - len(kept)
+        items[:] = kept
+
+
+_EXTENDED_LEFT = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    left = config.stash.get(_EXTENDED_LEFT, 0)
+    if left:
+        terminalreporter.write_line(f"{left} tests marked extended were not run: bash tools/test_extended runs them "
+                                    "(or pytest --extended)")
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(_CACHES, ignore_errors=True)
 

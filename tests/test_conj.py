@@ -229,6 +229,7 @@ def _bit_sweep(kind: str) -> tuple[int, list[str]]:
     return compared, differ
 
 
+@pytest.mark.extended  # every OpInfo four times (3-4 minutes): the cases above cover the ops the bits reach
 @pytest.mark.parametrize("kind", ["conj", "neg"])
 def test_every_opinfo_with_lazy_bit_inputs(kind: str) -> None:
     import warnings

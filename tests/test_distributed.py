@@ -636,7 +636,9 @@ if __name__ != "__main__":
 
     FUSED = {"TORCH_TPU_EAGER_MODE": "DEFER_AND_FUSE"}
 
-    @pytest.mark.parametrize("n, launcher", [(2, "torchrun"), (4, "env"), (2, "env-fused")])
+    # Four ranks (four processes on a 2-core machine: about a minute) run with the extended tests.
+    @pytest.mark.parametrize("n, launcher", [(2, "torchrun"), pytest.param(4, "env", marks=pytest.mark.extended),
+                                             (2, "env-fused")])
     def test_collectives(n: int, launcher: str, tmp_path: Path) -> None:
         """Also under DEFER_AND_FUSE: pending work runs before each collective, results feed later graphs."""
         if launcher == "torchrun":
@@ -675,7 +677,9 @@ if __name__ != "__main__":
         # survivors must not wait for much more than the process-group timeout (start-up included)
         assert time.monotonic() - t0 < 100, _report(results)
 
-    @pytest.mark.parametrize("order", ["set_device first", "init first", "device_id", "no set_device"])
+    # The user guide's order by default; the other three with the extended tests.
+    @pytest.mark.parametrize("order", ["set_device first"] + [pytest.param(o, marks=pytest.mark.extended)
+                                                              for o in ("init first", "device_id", "no set_device")])
     def test_torchrun_start_up_orders(order: str, tmp_path: Path) -> None:
         """The user guide's order (set_device, then init_process_group without device_id=) and the others: every
         rank joins JAX's world through the same store keys whichever comes first."""
