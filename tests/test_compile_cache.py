@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,25 @@ def _run(cache: Path, *args: str, env: dict | None = None, check: bool = True) -
     return result, out.stderr
 
 
+@pytest.fixture(scope="module")
+def _cold(tmp_path_factory) -> tuple[dict, Path]:
+    """The program's first run into an empty cache (its stats and the folder), made once for the tests below that
+    start from a filled cache (a process start costs several seconds). Each test gets the folder back as that run
+    left it, at the same path: JAX's keys depend on the cache's path, so a copy elsewhere would miss."""
+    cache = tmp_path_factory.mktemp("cold") / "cache"
+    first = _run(cache)[0]
+    shutil.copytree(cache, cache.with_name("pristine"))
+    return first, cache
+
+
+def _filled(cold: tuple[dict, Path]) -> tuple[dict, Path]:
+    """(the cold run's stats, its cache folder restored to what that run left)."""
+    first, cache = cold
+    shutil.rmtree(cache)
+    shutil.copytree(cache.with_name("pristine"), cache)
+    return first, cache
+
+
 def _entries(cache: Path) -> list[Path]:
     return sorted(cache.glob("*.xc"))
 
@@ -62,30 +82,30 @@ def _executables(cache: Path) -> list[Path]:
     return [p for p in _entries(cache) if not p.name.startswith("s-")]
 
 
-def test_second_process_loads_instead_of_compiling(tmp_path) -> None:
-    first, _ = _run(tmp_path)
+def test_second_process_loads_instead_of_compiling(_cold) -> None:
+    first, cache = _filled(_cold)
     assert first["hits"] == 0 and first["misses"] > 0 and first["writes"] == first["misses"]
-    assert len(_executables(tmp_path)) == first["writes"] and first["entries"] == len(_entries(tmp_path))
-    assert any(p.name.startswith("g-") for p in _entries(tmp_path)), "the fused graph was not stored whole"
-    second, err = _run(tmp_path)
+    assert len(_executables(cache)) == first["writes"] and first["entries"] == len(_entries(cache))
+    assert any(p.name.startswith("g-") for p in _entries(cache)), "the fused graph was not stored whole"
+    second, err = _run(cache)
     assert second["misses"] == 0 and second["hits"] == first["writes"] and second["writes"] == 0
     assert second["saved"] > 0
     assert "CompileCacheWarning" not in err
 
 
-def test_corrupt_truncated_and_deleted_entries_are_recompiled(tmp_path) -> None:
-    _run(tmp_path)
-    files = _executables(tmp_path)
+def test_corrupt_truncated_and_deleted_entries_are_recompiled(_cold) -> None:
+    _, cache = _filled(_cold)
+    files = _executables(cache)
     assert len(files) >= 3
     data = bytearray(files[0].read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped bit pattern in the middle of the executable
     files[0].write_bytes(bytes(data))
     files[1].write_bytes(files[1].read_bytes()[: len(data) // 3])  # a torn write
     files[2].unlink()
-    result, err = _run(tmp_path)
+    result, err = _run(cache)
     assert "CompileCacheWarning" in err and "corrupt (checksum mismatch)" in err and "truncated" in err
     assert result["corrupt"] == 2 and result["misses"] == 3 and result["writes"] == 3
-    again, err = _run(tmp_path)
+    again, err = _run(cache)
     assert again["misses"] == 0 and again["corrupt"] == 0 and "CompileCacheWarning" not in err
 
 
@@ -108,20 +128,20 @@ def test_concurrent_processes_share_the_cache(tmp_path) -> None:
     assert after["misses"] == 0 and after["corrupt"] == 0
 
 
-def test_size_cap_evicts_least_recently_used(tmp_path) -> None:
-    full, _ = _run(tmp_path / "full")
+def test_size_cap_evicts_least_recently_used(tmp_path, _cold) -> None:
+    full = _cold[0]
     cap = full["bytes"] // 2
     capped, _ = _run(tmp_path / "capped", env={"TORCH_TPU_CACHE_MAX_BYTES": str(cap)})
     assert capped["evictions"] > 0 and capped["bytes"] <= cap and capped["entries"] < full["entries"]
 
 
-def test_changed_compiler_option_or_version_misses(tmp_path) -> None:
-    first, _ = _run(tmp_path)
-    flags, _ = _run(tmp_path, env={"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"})
+def test_changed_compiler_option_or_version_misses(_cold) -> None:
+    first, cache = _filled(_cold)
+    flags, _ = _run(cache, env={"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"})
     assert flags["hits"] == 0 and flags["misses"] == first["misses"]
-    version, _ = _run(tmp_path, "new-version")
+    version, _ = _run(cache, "new-version")
     assert version["hits"] == 0 and version["misses"] == first["misses"]
-    same, _ = _run(tmp_path)
+    same, _ = _run(cache)
     assert same["misses"] == 0
 
 
@@ -131,24 +151,24 @@ def test_disabled_writes_nothing(tmp_path) -> None:
     assert not _entries(tmp_path)
 
 
-def test_command_line(tmp_path) -> None:
-    _run(tmp_path)
-    n = len(_entries(tmp_path))
+def test_command_line(_cold) -> None:
+    _, cache = _filled(_cold)
+    n = len(_entries(cache))
     assert n > 0
 
     def cli(*args: str) -> str:
         out = run_python("import runpy, sys; sys.argv[0] = 'compile_cache'; "
                          "runpy.run_module('torch_tpu.compile_cache', run_name='__main__')",
-                         args=[*args, "--dir", str(tmp_path)])
+                         args=[*args, "--dir", str(cache)])
         assert out.returncode == 0, out.stderr
         return out.stdout
 
     assert f"entries:   {n}" in cli("info")
-    (tmp_path / _entries(tmp_path)[0].name).write_bytes(b"garbage")
+    (cache / _entries(cache)[0].name).write_bytes(b"garbage")
     assert "removed 1 damaged" in cli("prune")
-    assert "evicted" in cli("prune", "--max-bytes", "0") and not _entries(tmp_path)
-    _run(tmp_path)
-    assert f"removed {n} entries" in cli("clear") and not _entries(tmp_path)
+    assert "evicted" in cli("prune", "--max-bytes", "0") and not _entries(cache)
+    _run(cache)
+    assert f"removed {n} entries" in cli("clear") and not _entries(cache)
 
 
 def test_stats_api_in_process() -> None:
@@ -165,41 +185,41 @@ def _cli(directory: Path | str, *args: str) -> subprocess.CompletedProcess:
                       args=[*args, "--dir", str(directory)])
 
 
-def test_whole_entry_under_another_name_is_a_miss(tmp_path) -> None:
-    _run(tmp_path)
-    shapes = [p for p in _entries(tmp_path) if p.name.startswith("s-")]
-    programs = [p for p in _entries(tmp_path) if not p.name.startswith(("s-", "g-"))]
+def test_whole_entry_under_another_name_is_a_miss(_cold) -> None:
+    _, cache = _filled(_cold)
+    shapes = [p for p in _entries(cache) if p.name.startswith("s-")]
+    programs = [p for p in _entries(cache) if not p.name.startswith(("s-", "g-"))]
     assert len(shapes) >= 2 and len(programs) >= 2
     # a stored op shape and a stored executable, each copied whole (checksum-valid) over another entry's name
     shapes[1].write_bytes(shapes[0].read_bytes())
     programs[1].write_bytes(programs[0].read_bytes())
-    result, err = _run(tmp_path)  # right results (checked in _run), no size mismatch
+    result, err = _run(cache)  # right results (checked in _run), no size mismatch
     assert err.count("copied or moved under this name") == 2, err
     assert result["corrupt"] == 2 and result["writes"] >= 1
-    again, err = _run(tmp_path)
+    again, err = _run(cache)
     assert again["misses"] == 0 and again["corrupt"] == 0 and "CompileCacheWarning" not in err
     # prune recognises such an entry without knowing its key: the stored key does not hash to the name
     programs[1].write_bytes(programs[0].read_bytes())
-    out = _cli(tmp_path, "prune")
+    out = _cli(cache, "prune")
     assert out.returncode == 0 and "removed 1 damaged" in out.stdout, out.stdout + out.stderr
     assert not programs[1].exists() and programs[0].exists()
 
 
-def test_entries_of_the_older_format_are_misses(tmp_path) -> None:
+def test_entries_of_the_older_format_are_misses(_cold) -> None:
     import hashlib
     import struct
 
     from torch_tpu.compile_cache import _HEADER, _MAGIC
 
-    first, _ = _run(tmp_path)
-    old = _executables(tmp_path)[0]
+    _, cache = _filled(_cold)
+    old = _executables(cache)[0]
     data = old.read_bytes()
     _, _, length, seconds, key_length = _HEADER.unpack_from(data)
     payload = data[_HEADER.size + key_length:]
     # the format before keys were stored: magic, sha256 of the payload, payload length, compile seconds
     old.write_bytes(struct.pack("<8s32sQd", b"TTPUXC01", hashlib.sha256(payload).digest(), length, seconds)
                     + payload)
-    result, err = _run(tmp_path)
+    result, err = _run(cache)
     assert result["misses"] == 1 and result["writes"] == 1 and result["corrupt"] == 0
     assert "CompileCacheWarning" not in err
     assert old.read_bytes()[:8] == _MAGIC  # replaced by an entry of the current format
@@ -211,30 +231,30 @@ def _dead_pid() -> int:
     return p.pid
 
 
-def test_temporary_files_of_dead_writers_are_counted_and_removed(tmp_path) -> None:
+def test_temporary_files_of_dead_writers_are_counted_and_removed(_cold) -> None:
     import socket
     import time
 
-    _run(tmp_path)
-    n = len(_entries(tmp_path))
+    _, cache = _filled(_cold)
+    n = len(_entries(cache))
     host = socket.gethostname()
-    dead = tmp_path / f".tmp-{host}-{_dead_pid()}-1-1"  # its writer was killed mid-write
-    old = tmp_path / ".tmp-otherhost-123-1-1"  # another host's writer, two hours ago
-    live = tmp_path / f".tmp-{host}-{os.getpid()}-1-1"  # a writer still at work
+    dead = cache / f".tmp-{host}-{_dead_pid()}-1-1"  # its writer was killed mid-write
+    old = cache / ".tmp-otherhost-123-1-1"  # another host's writer, two hours ago
+    live = cache / f".tmp-{host}-{os.getpid()}-1-1"  # a writer still at work
     for p in (dead, old, live):
         p.write_bytes(b"partial")
     os.utime(old, (time.time() - 7200, time.time() - 7200))
-    s = torch.tpu.compile_cache.stats(str(tmp_path))
+    s = torch.tpu.compile_cache.stats(str(cache))
     assert s.temp_files == 3 and s.stale_temp_files == 2 and s.entries == n
-    out = _cli(tmp_path, "info")
+    out = _cli(cache, "info")
     assert out.returncode == 0 and "temporary: 3 (2 left by writers that died" in out.stdout, out.stdout
-    out = _cli(tmp_path, "prune")
+    out = _cli(cache, "prune")
     assert out.returncode == 0 and "removed 2 damaged or stale files" in out.stdout, out.stdout + out.stderr
-    assert live.exists() and not dead.exists() and not old.exists() and len(_entries(tmp_path)) == n
+    assert live.exists() and not dead.exists() and not old.exists() and len(_entries(cache)) == n
     dead.write_bytes(b"partial")
-    out = _cli(tmp_path, "clear")
+    out = _cli(cache, "clear")
     assert out.returncode == 0 and f"removed {n} entries" in out.stdout
-    assert live.exists() and not dead.exists() and not _entries(tmp_path)
+    assert live.exists() and not dead.exists() and not _entries(cache)
 
 
 def test_directory_that_is_a_file(tmp_path) -> None:
