@@ -54,23 +54,30 @@ def _run(cache: Path, *args: str, env: dict | None = None, check: bool = True) -
     return result, out.stderr
 
 
+def _restored(folder: Path) -> Path:
+    """`folder` put back as it was when _kept saved it, at the same path: JAX's keys depend on the cache's path, so a
+    copy elsewhere would miss."""
+    shutil.rmtree(folder)
+    shutil.copytree(folder.with_name(folder.name + ".kept"), folder)
+    return folder
+
+
+def _kept(folder: Path) -> Path:
+    shutil.copytree(folder, folder.with_name(folder.name + ".kept"))
+    return folder
+
+
 @pytest.fixture(scope="module")
 def _cold(tmp_path_factory) -> tuple[dict, Path]:
     """The program's first run into an empty cache (its stats and the folder), made once for the tests below that
-    start from a filled cache (a process start costs several seconds). Each test gets the folder back as that run
-    left it, at the same path: JAX's keys depend on the cache's path, so a copy elsewhere would miss."""
+    start from a filled cache (a process start costs several seconds); each takes it with _filled."""
     cache = tmp_path_factory.mktemp("cold") / "cache"
-    first = _run(cache)[0]
-    shutil.copytree(cache, cache.with_name("pristine"))
-    return first, cache
+    return _run(cache)[0], _kept(cache)
 
 
 def _filled(cold: tuple[dict, Path]) -> tuple[dict, Path]:
-    """(the cold run's stats, its cache folder restored to what that run left)."""
-    first, cache = cold
-    shutil.rmtree(cache)
-    shutil.copytree(cache.with_name("pristine"), cache)
-    return first, cache
+    """(the cold run's stats, its cache folder as that run left it)."""
+    return cold[0], _restored(cold[1])
 
 
 def _entries(cache: Path) -> list[Path]:
@@ -404,12 +411,20 @@ def _aot_entries(tmp: Path) -> list[Path]:
     return sorted(p for p in (tmp / "inductor" / "aotautograd").rglob("*") if p.is_file())
 
 
-def test_compiled_model_warm_start_loads_its_graphs(tmp_path) -> None:
-    first, _ = _run_compiled(tmp_path)
+@pytest.fixture(scope="module")
+def _cold_compiled(tmp_path_factory) -> tuple[dict, Path]:
+    """COMPILED's first run into empty caches, made once (as _cold); each test takes it with _filled."""
+    tmp = tmp_path_factory.mktemp("cold_compiled") / "caches"
+    tmp.mkdir()
+    return _run_compiled(tmp)[0], _kept(tmp)
+
+
+def test_compiled_model_warm_start_loads_its_graphs(_cold_compiled) -> None:
+    first, caches = _filled(_cold_compiled)
     assert first["aot"].get("autograd_cache_miss") == 1 and first["graphs"] == 2  # forward and backward
-    assert len(_aot_entries(tmp_path)) == 1
+    assert len(_aot_entries(caches)) == 1
     assert first["loaded"] == 0 and first["writes"] >= 2  # both programs stored whole
-    second, err = _run_compiled(tmp_path)
+    second, err = _run_compiled(caches)
     # AOTAutograd skipped, the programs' executables loaded whole: nothing traced by AOTAutograd, no graph traced or
     # lowered again by JAX, nothing compiled
     assert second["aot"].get("autograd_cache_hit") == 1 and not second["aot"].get("autograd_cache_miss")
@@ -435,26 +450,26 @@ def test_inductor_codegen_registration_still_runs_outside_the_tpu_backend() -> N
     assert get_scheduling_for_device("cpu") is not None
 
 
-def test_compiled_model_damaged_entry_is_compiled_again(tmp_path) -> None:
+def test_compiled_model_damaged_entry_is_compiled_again(_cold_compiled) -> None:
     import pickle
 
-    _run_compiled(tmp_path)
-    [entry] = _aot_entries(tmp_path)
+    _, caches = _filled(_cold_compiled)
+    [entry] = _aot_entries(caches)
     data = entry.read_bytes()
     stored = pickle.loads(data).compiled_fw.result  # the forward graph torch_tpu stored
     at = data.index(stored._data) + len(stored._data) // 2
     entry.write_bytes(data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:])  # one byte of the graph flipped
-    result, err = _run_compiled(tmp_path)  # right values (checked), from a fresh compile
+    result, err = _run_compiled(caches)  # right values (checked), from a fresh compile
     assert "CompileCacheWarning" in err and "corrupt (checksum mismatch)" in err, err
     assert not result["aot"].get("autograd_cache_hit") and result["graphs"] == 2
     entry.write_bytes(data[: len(data) // 3])  # a torn entry: not loadable at all
-    result, _ = _run_compiled(tmp_path)
+    result, _ = _run_compiled(caches)
     assert not result["aot"].get("autograd_cache_hit") and result["graphs"] == 2
 
 
-def test_compiled_model_entry_of_another_version_or_disabled_cache(tmp_path) -> None:
-    _run_compiled(tmp_path)
-    other, _ = _run_compiled(tmp_path, "new-version")  # torch_tpu's version is in the key: a miss
+def test_compiled_model_entry_of_another_version_or_disabled_cache(tmp_path, _cold_compiled) -> None:
+    _, filled = _filled(_cold_compiled)
+    other, _ = _run_compiled(filled, "new-version")  # torch_tpu's version is in the key: a miss
     assert other["aot"].get("autograd_cache_miss") == 1 and not other["aot"].get("autograd_cache_hit")
     off, _ = _run_compiled(tmp_path / "off", env={"TORCH_TPU_CACHE": "0"})
     assert not off["aot"].get("autograd_cache_hit") and not off["aot"].get("autograd_cache_miss")
