@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 BENCH = str(REPO / "tools" / "bench.py")
@@ -41,6 +43,7 @@ def test_host_unknown_row_names_the_choices() -> None:
     assert "unknown host row(s) nope" in out.stderr and "eager" in out.stderr, out.stderr
 
 
+@pytest.mark.extended  # about a minute: the doctor itself is tested in test_doctor.py
 def test_doctor_row_prints_the_overhead_ratio() -> None:
     out = _bench("doctor", timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
