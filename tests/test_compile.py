@@ -46,7 +46,9 @@ TOL = {"mlp": 1e-5, "gpt": 1e-4, "resnet": 1e-4, "lstm": 1e-5}
 STEPS = 20
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt", "resnet", "lstm"])
+# The small models by default; the conv net and the LSTM (twice the time) with the extended tests.
+@pytest.mark.parametrize("name", ["mlp", "gpt"] + [pytest.param(n, marks=pytest.mark.extended)
+                                                    for n in ("resnet", "lstm")])
 def test_compiled_example_trains_like_eager_and_cpu(name: str) -> None:
     mod = load_example(name)
     warm: dict = {}

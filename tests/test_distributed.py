@@ -652,7 +652,8 @@ if __name__ != "__main__":
         reduce, reduce_scatter, reduce_scatter_tensor(_coalesced) and the functional collectives; NCCL's dtype rules."""
         _expect_ok(_launch(2, "reduce_ops", 240, tmp_path), "reduce ops ok")
 
-    @pytest.mark.parametrize("mode", ["DEFER_NEVER", "DEFER_AND_FUSE"])
+    # Fused collectives run by default in test_collectives[2-env-fused]; DDP fused with the extended tests.
+    @pytest.mark.parametrize("mode", ["DEFER_NEVER", pytest.param("DEFER_AND_FUSE", marks=pytest.mark.extended)])
     def test_ddp_mlp_matches_single_process(mode: str, tmp_path: Path) -> None:
         _expect_ok(_launch(2, "ddp", 180, tmp_path, {"TORCH_TPU_EAGER_MODE": mode}), "ddp ok")
 

@@ -299,7 +299,9 @@ def test_error_surfaces_at_the_op() -> None:
 
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt", "resnet", "lstm"])
+# The small models by default; the conv net and the LSTM (twice the time) with the extended tests.
+@pytest.mark.parametrize("name", ["mlp", "gpt"] + [pytest.param(n, marks=pytest.mark.extended)
+                                                    for n in ("resnet", "lstm")])
 def test_examples_train_the_same_fused(name: str) -> None:
     mod = load_example(name)
     from _train import train

@@ -252,7 +252,7 @@ if __name__ != "__main__":
     @pytest.mark.skipif(not hasattr(torch.tpu, "Stream"), reason="FSDP2 needs torch.tpu.Stream and torch.tpu.Event")
     @pytest.mark.parametrize("n, cases", [
         (2, "reshard-fp32,keep-fp32-premul,reshard-bf16,reshard-bf16-fused"),
-        (4, "keep-fp32"),
+        pytest.param(4, "keep-fp32", marks=pytest.mark.extended),  # four processes on 2 cores: extended tests
     ])
     def test_fsdp2_matches_single_process(n: int, cases: str, tmp_path: Path) -> None:
         results = _launch(n, "fsdp", 300, tmp_path, {"TEST_CASES": cases}, script=HERE)
