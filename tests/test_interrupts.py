@@ -84,8 +84,15 @@ def test_ctrl_c_signal_during_a_flush_in_a_subprocess() -> None:
     # mode the ops recorded in, the SIGINT handler it inherited and how long the read took. Two full local runs of the
     # suite printed "no interrupt" here; 45 runs alone, the whole prefix of the suite and runs on a loaded machine did
     # not reproduce it (a read of 60+ seconds would mean the signal never reached the sleeping main thread).
+    # The child starts as a shell's would (SIGINT handled by Python, not blocked), whatever the test runner's process
+    # left to be inherited (an ignored SIGINT or a blocked mask survives exec and would swallow the signal); what it
+    # inherited is printed for the record.
     code = textwrap.dedent("""
-        import os, signal, sys, threading, time, torch
+        import os, signal, sys
+        inherited = (signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}))
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        print("inherited SIGINT handler", inherited[0], "blocked", inherited[1], file=sys.stderr)
+        import threading, time, torch
         from torch_tpu import _deferred
         real = _deferred._fused_program
         slow = [True]
