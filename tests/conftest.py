@@ -104,8 +104,8 @@ _EXTENDED_LEFT = pytest.StashKey[int]()
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     left = config.stash.get(_EXTENDED_LEFT, 0)
     if left:
-        terminalreporter.write_line(f"{left} tests marked extended were not run: bash tools/test_extended runs them "
-                                    "(or pytest --extended)")
+        terminalreporter.write_line(f"{left} test{'s' if left > 1 else ''} marked extended not run: "
+                                    "bash tools/test_extended runs them (or pytest --extended)")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
