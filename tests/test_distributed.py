@@ -687,7 +687,7 @@ if __name__ != "__main__":
         e = {"TEST_ORDER": order}
         _expect_ok(_torchrun(2, "order", 180, tmp_path, e), "order ok")
 
-    @pytest.mark.parametrize("fault", ["absent", "split stores"])
+    @pytest.mark.parametrize("fault", ["absent", pytest.param("split stores", marks=pytest.mark.extended)])
     def test_start_up_failure_is_a_python_error(fault: str, tmp_path: Path) -> None:
         """A rank that never calls init, or ranks that never meet: each waiting rank gets a Python exception within
         init_process_group's timeout and the process exits normally (JAX's client would abort it with SIGABRT)."""

@@ -159,7 +159,7 @@ def test_op_without_a_kernel_strict_and_with_the_fallback(tmp_path: Path) -> Non
     assert r["coverage"]["no_kernel"] == [{"op": "poisson", "site": f"{script}:7", "calls": 3}]
 
 
-@pytest.mark.parametrize("name", ["mlp", "lstm"])
+@pytest.mark.parametrize("name", ["mlp", pytest.param("lstm", marks=pytest.mark.extended)])
 def test_clean_examples_report_only_what_is_true(tmp_path: Path, name: str) -> None:
     proc, r = _doctor(tmp_path, EXAMPLES / f"{name}.py", "--device", "tpu", options=("--steps", "4"))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -9,7 +9,8 @@ import torch
 
 import torch_tpu
 
-MODES = ["DEFER_NEVER", "DEFER_AND_FUSE"]
+# Fused with the extended tests (tools/test_extended): the OpInfo suite runs a spread of ops fused by default.
+MODES = ["DEFER_NEVER", pytest.param("DEFER_AND_FUSE", marks=pytest.mark.extended)]
 
 # ---- special functions ----
 

@@ -17,7 +17,8 @@ from torch.utils._pytree import tree_flatten
 
 from opinfo_harness import _clone, _tpu_sample, op_id
 
-MODES = ("DEFER_NEVER", "DEFER_AND_FUSE")
+# Fused with the extended tests (tools/test_extended): the OpInfo suite runs a spread of ops fused by default.
+MODES = ("DEFER_NEVER", pytest.param("DEFER_AND_FUSE", marks=pytest.mark.extended))
 
 GRAD_OPS = [
     "nn.functional.embedding_bag", "grid_sampler_2d", "nn.functional.grid_sample", "cdist", "nn.functional.pdist",
