@@ -149,13 +149,42 @@ def check_sample(op: Any, sample: Any, dtype: torch.dtype, what: str) -> None:
             return
         raise AssertionError(f"{what}: CPU raises RuntimeError ({str(e).splitlines()[0]}), tpu does not") from None
     actual = op(tpu_sample.input, *tpu_sample.args, **tpu_sample.kwargs)
-    _compare(actual, expected, dtype, check_values, what)
+    try:
+        _compare(actual, expected, dtype, check_values, what)
+    except AssertionError:
+        if not _closer_to_float64(op, sample, actual, expected, dtype):
+            raise
     if _aliases(expected, _sample_tensors(cpu_sample)) != _aliases(actual, _sample_tensors(tpu_sample)):
         raise AssertionError(f"{what}: output/input aliasing differs from CPU")
     for t_in, c_in in zip(_sample_tensors(tpu_sample), _sample_tensors(cpu_sample)):
         if check_values:
             torch.testing.assert_close(t_in.detach().cpu(), c_in.detach(), equal_nan=True,
                                        msg=lambda m: f"{what}: input mutated differently: {m}")
+
+
+def _closer_to_float64(op: Any, sample: Any, actual: Any, expected: Any, dtype: torch.dtype) -> bool:
+    """For bfloat16/float16 results that miss CPU's: True when CPU's float64 result of the same sample decides for
+    tpu, that is every element of tpu's result is within twice CPU's own error of it (plus the dtype's tolerance).
+    CPU's low-precision kernels round differently by CPU (oneDNN's bfloat16 convolutions on AVX2 and on AVX-512
+    machines differ), so CPU's bfloat16 result is not the truth where sums are long (conv_transpose)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+    up = sample.transform(lambda t: t.detach().clone().double() if isinstance(t, torch.Tensor)
+                          and t.dtype == dtype else t)
+    try:
+        reference = op(up.input, *up.args, **up.kwargs)
+    except Exception:  # noqa: BLE001 - no float64 reference: CPU's result stands
+        return False
+    rtol, atol = TOLERANCES[dtype]
+    pairs = list(zip(tree_flatten(actual)[0], tree_flatten(expected)[0], tree_flatten(reference)[0]))
+    for a, e, r in pairs:
+        if not isinstance(e, torch.Tensor) or not isinstance(r, torch.Tensor) or r.shape != e.shape:
+            return False
+        a, e, r = a.detach().cpu().double(), e.detach().double(), r.detach().double()
+        bound = 2 * (e - r).abs() + atol + rtol * r.abs()
+        if not bool(((a - r).abs() <= bound).all()):
+            return False
+    return bool(pairs)
 
 
 def check_out(op: Any, sample: Any, dtype: torch.dtype, what: str) -> None:
