@@ -73,7 +73,12 @@ def test_example_trains_like_cpu_under_bfloat16_autocast(name: str) -> None:
             x, y = (t.to(device) for t in next(batches))
             opt.zero_grad()
             with torch.autocast(device_type=device, dtype=torch.bfloat16):
-                out = model(x)
+                try:
+                    out = model(x)
+                except RuntimeError as e:  # the oracle itself: CPU PyTorch's oneDNN LSTM on some CPUs
+                    if device == "cpu" and "could not create a primitive descriptor" in str(e):
+                        pytest.skip(f"CPU PyTorch cannot run this model under bfloat16 autocast here: {e}")
+                    raise
                 loss = loss_fn(out, y)
             assert out.dtype == torch.bfloat16 or name == "lstm", (name, out.dtype)
             loss.backward()
