@@ -7,6 +7,14 @@ op that starts passing fails the run until the list is updated (tools/gen_op_cov
 The same cases run again under DEFER_AND_FUSE (ops recorded and run as fused graphs), with the same expected
 failures: deferred execution must not change any result, error, alias or out= behaviour.
 
+Errors: every OpInfo's error inputs (PyTorch's own list of bad calls and the error each raises) made on tpu must
+raise that error type with a matching message, in both modes (opinfo_harness.check_errors); the few where tpu's
+error differs on purpose are listed in ERROR_DIFFERENCES below with the reason.
+
+Gradients run in float32 under DEFER_NEVER: reverse mode for every OpInfo that supports autograd
+("name:float32:grad") and forward mode for those that support forward AD ("name:float32:fwad"), in the same
+expected-failure list (opinfo_harness.check_grad_op says what is compared).
+
 Tiers: the default run (README's test command, CI) checks every op in float32 op by op, with its error inputs,
 and a spread of the rest (_one_in, in op_db's order): every bfloat16 case and one in three int64 and bool cases,
 one in four reverse-mode gradients, one in eight ops fused, in forward mode and with fused error inputs, one in
