@@ -72,6 +72,9 @@ def pytest_configure(config: pytest.Config) -> None:
         )
 
 
+_EXTENDED_LEFT = pytest.StashKey[int]()  # how many tests marked extended the run left out
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--extended", action="store_true",
                      help="also run the tests marked `extended` (bash tools/test_extended runs only those)")
@@ -91,14 +94,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         test = item.nodeid.split("::", 1)[1]
         return any(test == n or test.startswith(n + "[") or test.startswith(n + "::") for n in named)
 
-    kept = [item for item in items if wanted(item)]
-    if len(kept) < len(items):
-        config.hook.pytest_deselected(items=[item for item in items if not wanted(item)])
-        config.stash[_EXTENDED_LEFT] = len(items) - len(kept)
+    kept, left = [], []
+    for item in items:
+        (kept if wanted(item) else left).append(item)
+    if left:
+        config.hook.pytest_deselected(items=left)
+        config.stash[_EXTENDED_LEFT] = len(left)
         items[:] = kept
-
-
-_EXTENDED_LEFT = pytest.StashKey[int]()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:

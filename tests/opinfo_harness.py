@@ -169,8 +169,7 @@ def _closer_to_float64(op: Any, sample: Any, actual: Any, expected: Any, dtype: 
     machines differ), so CPU's bfloat16 result is not the truth where sums are long (conv_transpose)."""
     if dtype not in (torch.bfloat16, torch.float16):
         return False
-    up = sample.transform(lambda t: t.detach().clone().double() if isinstance(t, torch.Tensor)
-                          and t.dtype == dtype else t)
+    up = _float64(sample)
     try:
         reference = op(up.input, *up.args, **up.kwargs)
     except Exception:  # noqa: BLE001 - no float64 reference: CPU's result stands

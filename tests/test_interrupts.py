@@ -81,12 +81,10 @@ def test_interrupt_after_the_program_consumed_its_inputs_says_so(monkeypatch) ->
 def test_ctrl_c_signal_during_a_flush_in_a_subprocess() -> None:
     # A real SIGINT, delivered while the flush is busy (a slow compile step stands in for XLA's compiler). The child
     # reports to stderr what a failure needs to be told apart: whether the slow step ran (and in which thread), the
-    # mode the ops recorded in, the SIGINT handler it inherited and how long the read took. Two full local runs of the
-    # suite printed "no interrupt" here; 45 runs alone, the whole prefix of the suite and runs on a loaded machine did
-    # not reproduce it (a read of 60+ seconds would mean the signal never reached the sleeping main thread).
-    # The child starts as a shell's would (SIGINT handled by Python, not blocked), whatever the test runner's process
-    # left to be inherited (an ignored SIGINT or a blocked mask survives exec and would swallow the signal); what it
-    # inherited is printed for the record.
+    # mode the ops recorded in, the SIGINT handler and mask it inherited and how long the read took. The child starts
+    # as a shell's would (SIGINT handled by Python, not blocked), whatever the test runner left to be inherited: a
+    # suite run as a background job of a non-interactive shell starts with SIGINT ignored, which survives exec and
+    # swallowed the signal ("no interrupt" after a 60 s read, in three local runs).
     code = textwrap.dedent("""
         import os, signal, sys
         inherited = (signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}))
@@ -104,8 +102,6 @@ def test_ctrl_c_signal_during_a_flush_in_a_subprocess() -> None:
                 time.sleep(60)
             return real(*args, **kwargs)
         _deferred._fused_program = slow_compile
-        print("SIGINT handler", signal.getsignal(signal.SIGINT), "blocked", signal.pthread_sigmask(signal.SIG_BLOCK, []),
-              file=sys.stderr)
         torch.manual_seed(0)
         x = torch.randn(6, 6)
         torch.tpu.eager_mode = "DEFER_AND_FUSE"
