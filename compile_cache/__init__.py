@@ -666,6 +666,11 @@ def install() -> DiskCache | None:
         )
         return None
     jax.config.update("jax_compilation_cache_dir", directory)
+    # With the persistent cache on, JAX also points XLA's GPU autotune cache into this folder through the compile
+    # options, which are part of every entry's key: a cache copied or mounted at another path (a CI cache, a
+    # container image) would then miss every executable. Those caches are GPU-only; a user's explicit setting wins.
+    if "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES" not in os.environ:
+        jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
     # Cache every executable: torch_tpu's per-op programs compile in milliseconds each, but there are many.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)

@@ -4,6 +4,7 @@ cache without torn entries; the size cap evicts; a changed compiler option or ve
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -54,30 +55,24 @@ def _run(cache: Path, *args: str, env: dict | None = None, check: bool = True) -
     return result, out.stderr
 
 
-def _restored(folder: Path) -> Path:
-    """`folder` put back as it was when _kept saved it, at the same path: JAX's keys depend on the cache's path, so a
-    copy elsewhere would miss."""
-    shutil.rmtree(folder)
-    shutil.copytree(folder.with_name(folder.name + ".kept"), folder)
-    return folder
-
-
-def _kept(folder: Path) -> Path:
-    shutil.copytree(folder, folder.with_name(folder.name + ".kept"))
-    return folder
-
-
 @pytest.fixture(scope="module")
 def _cold(tmp_path_factory) -> tuple[dict, Path]:
     """The program's first run into an empty cache (its stats and the folder), made once for the tests below that
-    start from a filled cache (a process start costs several seconds); each takes it with _filled."""
+    start from a filled cache (a process start costs several seconds); each takes a copy of it with _filled."""
     cache = tmp_path_factory.mktemp("cold") / "cache"
-    return _run(cache)[0], _kept(cache)
+    return _run(cache)[0], cache
+
+
+_copies = itertools.count()
 
 
 def _filled(cold: tuple[dict, Path]) -> tuple[dict, Path]:
-    """(the cold run's stats, its cache folder as that run left it)."""
-    return cold[0], _restored(cold[1])
+    """(the cold run's stats, a copy of its cache folder as that run left it). The copy is at a new path: a cache
+    folder copied or moved elsewhere (a CI cache, a container image) must still hit."""
+    stats, folder = cold
+    copy = folder.with_name(f"{folder.name}.{next(_copies)}")
+    shutil.copytree(folder, copy)
+    return stats, copy
 
 
 def _entries(cache: Path) -> list[Path]:
@@ -416,7 +411,7 @@ def _cold_compiled(tmp_path_factory) -> tuple[dict, Path]:
     """COMPILED's first run into empty caches, made once (as _cold); each test takes it with _filled."""
     tmp = tmp_path_factory.mktemp("cold_compiled") / "caches"
     tmp.mkdir()
-    return _run_compiled(tmp)[0], _kept(tmp)
+    return _run_compiled(tmp)[0], tmp
 
 
 def test_compiled_model_warm_start_loads_its_graphs(_cold_compiled) -> None:
