@@ -38,7 +38,7 @@ import struct
 import threading
 import time
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 from torch_tpu import _config
 
@@ -463,12 +463,31 @@ def _config_text() -> str:
 
     from torch_tpu import _config
 
-    items = sorted((k, repr(v)) for k, v in jax.config.values.items() if not k.startswith(_CONFIG_SKIP))
+    values = jax.config.values
     # TORCH_TPU_PALLAS picks a kernel's path while a program is traced (kernels/pallas/_select.py): a fused
     # program stored under one setting must not be found under another.
-    return repr((items, os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
-                 _config.get("TORCH_TPU_PALLAS")))
+    outside = (os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""), _config.get("TORCH_TPU_PALLAS"))
+    memo = _CONFIG_MEMO
+    if memo and memo[0] == values and memo[1] == outside:  # (a warm start asks once per entry it loads)
+        return memo[2]
+    items = sorted((k, repr(v)) for k, v in values.items() if not k.startswith(_CONFIG_SKIP))
+    text = repr((items, *outside))
+    memo[:] = [values, outside, text]
+    return text
 
+
+_CONFIG_MEMO: list = []  # [JAX's configuration values, the settings outside it, _config_text()]
+
+
+def _config_hash() -> str:
+    text = _config_text()
+    if _CONFIG_HASH and _CONFIG_HASH[0] is text:
+        return _CONFIG_HASH[1]
+    _CONFIG_HASH[:] = [text, hashlib.sha256(text.encode()).hexdigest()]
+    return _CONFIG_HASH[1]
+
+
+_CONFIG_HASH: list = []  # [the _config_text() hashed, its hash]
 
 _SOURCE_HASH: list[str] = []
 
@@ -498,7 +517,7 @@ def _meta_file(kind: str, text: str) -> tuple[str, bytes] | tuple[None, None]:
     if _cache is None:
         return None, None
     # The configuration enters the key as a hash: the key is stored in every entry, the configuration is ~5 KB.
-    config = hashlib.sha256(_config_text().encode()).hexdigest()
+    config = _config_hash()
     return _cache._file(f"{kind}|{text}|config={config}|source={_source_hash()}", prefix=kind[0] + "-")
 
 
@@ -562,9 +581,10 @@ def load_executable(text: str, device: Any) -> Any:
     with _cache._lock:
         _cache.counters.hits += 1
         _cache.counters.saved += seconds
-    from torch_tpu import _metrics
+    from torch_tpu import _metrics, _programs
 
     _metrics.cache_hit()
+    _programs.note_loaded()  # it holds mappings as a compiled one does (XLA:CPU): the collector counts it
     return program
 
 
@@ -577,7 +597,7 @@ def discard_executable(text: str, problem: str) -> None:
         _cache._discard(path, problem)
 
 
-def store_executable(text: str, compiled: Any) -> None:
+def store_executable(text: str, compiled: Any, warn: bool = True) -> None:
     path, key = _meta_file("graph", text)
     if path is None:
         return
@@ -586,6 +606,8 @@ def store_executable(text: str, compiled: Any) -> None:
     try:
         blob = pickle.dumps(serialize_executable.serialize(compiled), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:  # noqa: BLE001 - a program the runtime cannot serialize: keep it in memory only
+        if not warn:
+            return
         warnings.warn(f"torch_tpu compile cache: could not serialize a fused program ({e}); it is not cached.",
                       CompileCacheWarning, stacklevel=2)
         return
@@ -641,6 +663,116 @@ def _runs(program: Any, inputs: list[Any], text: str) -> bool:
     except Exception as e:  # noqa: BLE001 - any failure: recompile instead
         discard_executable(text, f"not runnable ({type(e).__name__}: {str(e)[:200]})")
         return False
+
+
+# ---- eager ops' executables, per shape (a warm DEFER_NEVER start skips tracing and lowering) ----
+
+def _leaf_spec(leaf: Any) -> tuple | None:
+    """What an executable is specific to in one argument: an array's shape, dtype and weak type, a Python
+    scalar's type (a weak-typed constant of the program); None for anything else (not persisted)."""
+    import jax
+
+    if isinstance(leaf, jax.core.Tracer):
+        return None
+    if isinstance(leaf, jax.Array):
+        return (tuple(leaf.shape), str(leaf.dtype), bool(getattr(leaf, "weak_type", False)))
+    if type(leaf) in (bool, int, float, complex):
+        return (type(leaf).__name__,)
+    return None
+
+
+def _call_text(structure: str, args: tuple, device: Any) -> tuple[str, Any] | None:
+    """(the key of the executable `structure` compiles for these arguments, their device), or None when they
+    cannot be keyed (an argument of another kind, no array to say the device and no `device` given)."""
+    import jax
+    import torch
+
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    specs = []
+    given = device
+    device = None
+    for leaf in leaves:
+        spec = _leaf_spec(leaf)
+        if spec is None:
+            return None
+        specs.append(spec)
+        if device is None and len(spec) == 3:
+            devices = leaf.devices()
+            if len(devices) != 1:
+                return None
+            device = next(iter(devices))
+    if device is None:
+        device = given
+    if device is None or (given is not None and device != given):
+        return None
+    # torch's default dtype: a lowering may read it while it is traced (a Python scalar's dtype)
+    text = repr((structure, str(treedef), specs, str(torch.get_default_dtype()), device.platform,
+                 device.device_kind, device.id, jax.process_count()))
+    return text, device
+
+
+def persistent_jit(fun: Callable[..., Any], structure: str, device: Any = None, **jit_kwargs: Any) -> Any:
+    """`jax.jit(fun)`, whose executable for each new argument shape is loaded whole from the cache when an
+    earlier process stored it (no tracing, no lowering: what a warm eager start spends most on) and otherwise
+    compiled and stored. `structure` is a text that names `fun` completely in every process (the op, its entry's
+    key and the arguments baked into it); the arguments' shapes, dtypes, weak types and device are added per
+    call. After the first call of a shape, calls take jax.jit's own C++ path: the executable is handed to it as
+    jax.jit's own cache miss would. `device`: where the program runs when no argument is an array (then also
+    its `out_shardings`). Without a cache, plain `jax.jit(fun, **jit_kwargs)`."""
+    import jax
+
+    jitted = jax.jit(fun, **jit_kwargs)
+    if _cache is None or " at 0x" in structure:  # (an object without a stable text: not keyable)
+        return jitted
+    from jax._src import core, pjit, stages, tree_util
+    from jax._src.interpreters import pxla
+    from jax._src.lib import _jax
+
+    info = jitted._jit_info
+    standard_miss = jitted._cache_miss
+
+    def cache_miss(*args: Any, **kwargs: Any) -> Any:
+        # (inside another trace, jax.jit's own path stages the call into it)
+        clean = not kwargs and _cache is not None and core.trace_state_clean()
+        keyed = _call_text(structure, args, device) if clean else None
+        if keyed is None:
+            return standard_miss(*args, **kwargs)
+        text, where = keyed
+        program = load_executable(text, where)
+        if program is not None and where.platform == "cpu" and not _runs_tree(program, args, text):
+            program = None
+        if program is None:
+            with storing_elsewhere():  # stored below whole: JAX's copy would be a duplicate
+                program = jitted.lower(*args).compile()
+            store_executable(text, program, warn=False)  # (one that cannot be serialized is compiled each time)
+        params = program._params
+        outs, out_flat, args_flat = stages.Compiled.call(params, *args)
+        fastpath = pjit._get_fastpath_data(program._executable, params.out_tree, args_flat, out_flat, [], [], None,
+                                           params.const_args)
+        return outs, fastpath, False
+
+    # jax.jit's own construction (jax/_src/pjit.py _cpp_pjit) with the cache miss above
+    cache_key = pxla.JitGlobalCppCacheKeys(
+        donate_argnums=info.donate_argnums, donate_argnames=info.donate_argnames, device=info.device,
+        backend=info.backend, in_shardings_treedef=info.in_shardings_treedef,
+        in_shardings_leaves=info.in_shardings_leaves, out_shardings_treedef=info.out_shardings_treedef,
+        out_shardings_leaves=info.out_shardings_leaves, in_layouts_treedef=info.in_layouts_treedef,
+        in_layouts_leaves=info.in_layouts_leaves, out_layouts_treedef=info.out_layouts_treedef,
+        out_layouts_leaves=info.out_layouts_leaves, compiler_options_kvs=info.compiler_options_kvs)
+    f = _jax.pjit(pjit.fun_name(fun), fun, cache_miss, info.static_argnums, info.static_argnames, cache_key,
+                  tree_util.dispatch_registry, pxla.cc_shard_arg,
+                  pjit._get_cpp_global_cache(cache_key.contains_explicit_attributes))
+    f._fun = fun
+    f._jit_info = info
+    return f
+
+
+def _runs_tree(program: Any, args: tuple, text: str) -> bool:
+    """_runs for a program whose arguments may be lists of arrays and Python scalars."""
+    import jax
+
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    return _runs(lambda *flat: program(*jax.tree_util.tree_unflatten(treedef, list(flat))), leaves, text)
 
 
 def install() -> DiskCache | None:

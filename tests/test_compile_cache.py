@@ -95,6 +95,73 @@ def test_second_process_loads_instead_of_compiling(_cold) -> None:
     assert "CompileCacheWarning" not in err
 
 
+# Eager ops in the variants that key an executable: Python scalars (weak types) next to tensors, integer and
+# bfloat16 tensors, static arguments (dims, keepdim), views read inside the op's program, tensor lists, a CPU
+# scalar tensor (the slow path), creation ops (no array argument)
+VARIANT_OPS = """
+def ops(x, i, h):
+    return [x + 1, x + 1.5, x * torch.tensor(2.0), i + 1, i + 1.5, i * 2, x.sum(0), x.sum(1), x.sum(1, keepdim=True),
+            x.amax(0), h + 1, h * 0.5, (x @ x.t()).relu(), x.softmax(-1), x.softmax(0), torch.where(x > 3, x, -x),
+            x[1:, ::2] * 3, torch.cat([x, x], 1), x.to(torch.int32) // 2, torch.zeros(2, 3, device=x.device) + x[0, :3],
+            x.unsqueeze(0).expand(2, 3, 4).sum(), (x - 5).abs().sqrt(), x.mean(1),
+            torch.full((2,), 7.0, device=x.device), x.index_select(0, i[0, :2]), torch.gather(x, 1, i[:, :2] % 4),
+            torch.nn.functional.cross_entropy(x, i[:, 0] % 4)]
+"""
+
+VARIANTS = r"""
+import json, logging
+import jax
+import torch
+import torch_tpu
+
+jax.config.update("jax_log_compiles", True)  # JAX logs each function it traces
+traced = []
+
+class Traced(logging.Handler):
+    def emit(self, record):
+        if record.getMessage().startswith("Finished tracing "):
+            traced.append(record.getMessage().split()[2])
+
+logging.getLogger("jax").addHandler(Traced())
+""" + VARIANT_OPS + r"""
+x = torch.arange(12.0).reshape(3, 4).tpu()
+out = ops(x, torch.arange(12).reshape(3, 4).tpu(), x.to(torch.bfloat16))
+out = [o.cpu() for o in out]
+try:  # an index check of a loaded executable still fires
+    x.index_select(0, torch.arange(2).tpu() + 5).cpu()
+    raised = ""
+except IndexError as e:
+    raised = str(e)
+s = torch.tpu.compile_cache.stats()
+print("RESULT " + json.dumps({"out": [o.double().tolist() for o in out], "dtypes": [str(o.dtype) for o in out],
+                             "traced": traced, "hits": s.hits, "raised": raised}))
+"""
+
+
+def test_warm_eager_ops_load_their_executables_without_tracing(tmp_path) -> None:
+    """A warm DEFER_NEVER start loads each eager op's executable whole (keyed by the op, what its entry bakes in and
+    the arguments' shapes, dtypes and weak types): no op is traced again, and every result is CPU's."""
+    namespace: dict = {"torch": torch}
+    exec(VARIANT_OPS, namespace)
+    x = torch.arange(12.0).reshape(3, 4)
+    expected = namespace["ops"](x, torch.arange(12).reshape(3, 4), x.to(torch.bfloat16))
+    runs = []
+    for _ in range(2):
+        out = run_python(VARIANTS, env={"TORCH_TPU_CACHE_DIR": str(tmp_path / "cache")})
+        assert out.returncode == 0, out.stderr
+        runs.append(json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:]))
+    cold, warm = runs
+    for run in runs:
+        assert "out of range" in run["raised"] or "out of bounds" in run["raised"], run["raised"]
+        assert run["dtypes"] == [str(e.dtype) for e in expected]
+        for got, exp in zip(run["out"], expected):
+            torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), exp.double(), rtol=1e-5, atol=1e-5)
+    ops_traced = [name for name in cold["traced"] if name.startswith("aten_")]
+    assert len(ops_traced) >= 20, cold["traced"]  # (JAX's log reached the listener)
+    assert [name for name in warm["traced"] if name.startswith("aten_")] == [], warm["traced"]
+    assert warm["hits"] >= len(ops_traced)
+
+
 def test_corrupt_truncated_and_deleted_entries_are_recompiled(_cold) -> None:
     _, cache = _filled(_cold)
     files = _executables(cache)
@@ -190,7 +257,7 @@ def _cli(directory: Path | str, *args: str) -> subprocess.CompletedProcess:
 def test_whole_entry_under_another_name_is_a_miss(_cold) -> None:
     _, cache = _filled(_cold)
     shapes = [p for p in _entries(cache) if p.name.startswith("s-")]
-    programs = [p for p in _entries(cache) if not p.name.startswith(("s-", "g-"))]
+    programs = _executables(cache)
     assert len(shapes) >= 2 and len(programs) >= 2
     # a stored op shape and a stored executable, each copied whole (checksum-valid) over another entry's name
     shapes[1].write_bytes(shapes[0].read_bytes())

@@ -240,12 +240,17 @@ def _collect_trace(fn: Callable[..., Any]) -> Callable[..., Any]:
     return traced
 
 
-def jit(fn: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
+def jit(fn: Callable[..., Any], make: Callable[[Callable[..., Any], bool], Any] | None = None,
+        **jit_kwargs: Any) -> Callable[..., Any]:
     """`jax.jit(fn)` for a per-op callable whose trace may report checks: calls return `fn`'s result and
-    register the flags its program computed."""
+    register the flags its program computed. `make(f, checked)` jits the two variants instead of jax.jit (the
+    eager executor's persisted jit: the flags travel in the program's result tree)."""
     _register_pytree()
-    on = jax.jit(_collect_trace(fn), **jit_kwargs)
-    off = jax.jit(fn, **jit_kwargs)
+    if make is None:
+        on = jax.jit(_collect_trace(fn), **jit_kwargs)
+        off = jax.jit(fn, **jit_kwargs)
+    else:
+        on, off = make(_collect_trace(fn), True), make(fn, False)
 
     def call(*args: Any) -> Any:
         out = (on if enabled else off)(*args)

@@ -156,13 +156,15 @@ class OpKernel(Signature):
         if fn is None:
             run = self._traced(static, out_dtype)
             # (_checks.jit / _checks.eager: index checks the lowering reports are registered after each call)
+            structure = repr(("eager", _qualified(self.name), static, repr(out_dtype)))
             if not self.lowering.jit:
                 fn = _checks.eager(run)
             elif has_arrays:
-                fn = _jit(self.lowering, run)
+                fn = _jit(self.lowering, run, structure=structure)
             else:  # nothing to follow: place the result on the op's device
-                fn = _jit(self.lowering, run,
-                          out_shardings=jax.sharding.SingleDeviceSharding(_runtime.device(index)))
+                device = _runtime.device(index)
+                fn = _jit(self.lowering, run, structure=structure, device=device,
+                          out_shardings=jax.sharding.SingleDeviceSharding(device))
             self._jits[key] = fn
         try:
             return index, fn(*dyn)
@@ -368,7 +370,12 @@ class OpKernel(Signature):
 
     def _make_fast(self, n: int, vals: list, inplace_dtype: torch.dtype | None,
                    views: tuple = ()) -> Callable[..., Any]:
-        return _jit(self.lowering, self._given_args(n, vals, inplace_dtype, views))
+        # What given_args computes, in words that mean the same in every process (the arguments after the
+        # first n are baked into it)
+        _, dyn, static, _ = self.prepare(vals, arrays=False)
+        structure = repr(("eager-fast", _qualified(self.name), n, repr(inplace_dtype), views, static,
+                          tuple(dyn[n:])))
+        return _jit(self.lowering, self._given_args(n, vals, inplace_dtype, views), structure=structure)
 
     def _recorded_entry(self, key: tuple, vals: list, inplace_dtype: torch.dtype | None,
                         views: tuple = ()) -> tuple[Any, Callable[..., Any]]:
@@ -450,12 +457,22 @@ def _qualified(name: str) -> str:
     return name if "::" in name else f"aten::{name}"
 
 
-def _jit(lowering: Any, fn: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
+def _jit(lowering: Any, fn: Callable[..., Any], structure: str | None = None, device: Any = None,
+         **jit_kwargs: Any) -> Callable[..., Any]:
     """An eager op's jitted callable: through _checks.jit (which collects the index checks its trace reports)
-    when the lowering declares `checks`, else the bare jax.jit callable (no wrapper on the call)."""
+    when the lowering declares `checks`, else a jax.jit callable (no wrapper on the call); with `structure` (the
+    text naming `fn` in every process; `device`: where a call without arrays runs) the compile cache stores its
+    executables whole, so a warm start loads them without tracing."""
+    if structure is None:
+        if lowering.checks:
+            return _checks.jit(fn, **jit_kwargs)
+        return jax.jit(_checks.undeclared(fn, lowering.name), **jit_kwargs)
+    from torch_tpu import compile_cache
+
     if lowering.checks:
-        return _checks.jit(fn, **jit_kwargs)
-    return jax.jit(_checks.undeclared(fn, lowering.name), **jit_kwargs)
+        return _checks.jit(fn, lambda f, checked: compile_cache.persistent_jit(
+            f, repr((structure, "checked" if checked else "unchecked")), device, **jit_kwargs))
+    return compile_cache.persistent_jit(_checks.undeclared(fn, lowering.name), structure, device, **jit_kwargs)
 
 
 # ---- installation ----

@@ -103,6 +103,11 @@ def _on_compile() -> None:
         _C._set_collect_due()
 
 
+def note_loaded() -> None:
+    """Called when an executable is loaded whole from the compile cache (no compile event): counted as a compile."""
+    _on_compile()
+
+
 def collect() -> None:
     """Drops every compiled program from memory (run by the C++ accessors at a safe point once a collection is
     due; callable directly). Queued device work is waited for first."""
