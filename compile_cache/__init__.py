@@ -18,9 +18,10 @@ executable; `DiskCache` is the storage JAX writes through, adding what JAX's fil
 - statistics: `torch.tpu.compile_cache.stats()`, and `python -m torch_tpu.compile_cache info|clear|prune`.
 
 torch_tpu also stores, in the same checksummed entries, what lets a warm start skip JAX's tracing and
-lowering too: each op's output shapes under DEFER_AND_FUSE (`s-*` entries) and whole fused programs keyed by
-their structure (`g-*` entries, serialized with jax.experimental.serialize_executable; executors call
-`load_program` and `compile_program`, and `get_meta`/`put_meta` for small values). Their keys add the
+lowering too: each op's output shapes under DEFER_AND_FUSE (`s-*` entries), and whole executables keyed by
+what they compute (`g-*` entries, serialized with jax.experimental.serialize_executable): fused programs by
+their structure (executors call `load_program` and `compile_program`) and eager ops' per-shape executables
+(`persistent_jit`); `get_meta`/`put_meta` store small values. Their keys add the
 JAX configuration and XLA_FLAGS, which JAX's own key covers for its entries.
 """
 
@@ -724,7 +725,7 @@ def persistent_jit(fun: Callable[..., Any], structure: str, device: Any = None, 
     jitted = jax.jit(fun, **jit_kwargs)
     if _cache is None or " at 0x" in structure:  # (an object without a stable text: not keyable)
         return jitted
-    from jax._src import core, pjit, stages, tree_util
+    from jax._src import config, core, pjit, stages, tree_util
     from jax._src.interpreters import pxla
     from jax._src.lib import _jax
 
@@ -732,8 +733,10 @@ def persistent_jit(fun: Callable[..., Any], structure: str, device: Any = None, 
     standard_miss = jitted._cache_miss
 
     def cache_miss(*args: Any, **kwargs: Any) -> Any:
-        # (inside another trace, jax.jit's own path stages the call into it)
-        clean = not kwargs and _cache is not None and core.trace_state_clean()
+        # (inside another trace, jax.jit's own path stages the call into it; JAX's NaN/Inf debugging reruns
+        # through it)
+        clean = (not kwargs and _cache is not None and core.trace_state_clean() and not config.debug_nans.value
+                 and not config.debug_infs.value)
         keyed = _call_text(structure, args, device) if clean else None
         if keyed is None:
             return standard_miss(*args, **kwargs)
