@@ -238,11 +238,23 @@ def test_rms_and_layer_norm_errors_follow_cpu(tpu) -> None:
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_the_tpu_path_lowers_to_mosaic(dtype) -> None:
+def test_the_tpu_path_lowers_to_mosaic(dtype, monkeypatch) -> None:
     """The "tpu" path (interpret=False) lowered for a TPU without one (jax.export): Pallas accepts the block specs
-    and emits the Mosaic custom call. Mosaic's own compile runs only on a TPU."""
+    and emits the Mosaic custom call, and every block index is an int32. Mosaic's own compile runs only on a TPU,
+    where an int64 block index (a Python 0 under torch_tpu's jax_enable_x64) failed every LayerNorm on a v5e:
+    "failed to legalize operation 'func.return' ... (i32, i64)"."""
     import jax
     from jax import export
+    from jax.experimental import pallas as pl
+
+    index_maps = []
+    block_spec = pl.BlockSpec
+
+    def recording(shape, index_map, *args, **kwargs):
+        index_maps.append(index_map)
+        return block_spec(shape, index_map, *args, **kwargs)
+
+    monkeypatch.setattr(pl, "BlockSpec", recording)
 
     x, w = jax.ShapeDtypeStruct((64, 512), dtype), jax.ShapeDtypeStruct((512,), dtype)
     st = jax.ShapeDtypeStruct((64, 1), jnp.float32)
@@ -255,3 +267,7 @@ def test_the_tpu_path_lowers_to_mosaic(dtype) -> None:
     ]
     for fn, args in programs:
         assert "tpu_custom_call" in export.export(jax.jit(fn), platforms=["tpu"])(*args).mlir_module()
+    assert jax.config.jax_enable_x64 and len(index_maps) >= 4 * 3
+    for index_map in index_maps:
+        blocks = jax.eval_shape(index_map, jax.ShapeDtypeStruct((), jnp.int32))
+        assert [b.dtype for b in blocks] == [jnp.int32] * len(blocks), blocks

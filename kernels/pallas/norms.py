@@ -68,12 +68,12 @@ def _call(kernel: Callable[..., None], grid_rows: int, br: int, inputs: Sequence
 
     def spec(kind: str, n: int) -> Any:
         if kind == "rows":
-            return pl.BlockSpec((br, n), lambda i: (i, 0))
+            return pl.BlockSpec((br, n), _int32_blocks(lambda i: (i, 0)))
         if kind == "stat":
-            return pl.BlockSpec((br, 1), lambda i: (i, 0))
+            return pl.BlockSpec((br, 1), _int32_blocks(lambda i: (i, 0)))
         if kind == "param":
-            return pl.BlockSpec((1, n), lambda i: (0, 0))
-        return pl.BlockSpec((1, 1, n), lambda i: (i, 0, 0))
+            return pl.BlockSpec((1, n), _int32_blocks(lambda i: (0, 0)))
+        return pl.BlockSpec((1, 1, n), _int32_blocks(lambda i: (i, 0, 0)))
 
     return pl.pallas_call(
         kernel,
@@ -84,6 +84,13 @@ def _call(kernel: Callable[..., None], grid_rows: int, br: int, inputs: Sequence
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=interpret,
     )(*(a for a, _ in inputs))
+
+
+def _int32_blocks(index_map: Callable[..., tuple]) -> Callable[..., tuple]:
+    """`index_map` with every block index an int32: torch_tpu runs JAX with x64 on, where a Python 0 is an int64
+    constant beside the int32 grid index, which Mosaic cannot compile ("failed to legalize operation
+    'func.return' ... (i32, i64)", seen on a TPU v5e). Interpret mode on CPU accepts either."""
+    return lambda *grid: tuple(jnp.asarray(b, jnp.int32) for b in index_map(*grid))
 
 
 def _f32(ref_: Any) -> Any:
