@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import functools
 import hashlib
 import os
 import pickle
@@ -467,7 +468,8 @@ def _config_text() -> str:
     values = jax.config.values
     # TORCH_TPU_PALLAS picks a kernel's path while a program is traced (kernels/pallas/_select.py): a fused
     # program stored under one setting must not be found under another.
-    outside = (os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""), _config.get("TORCH_TPU_PALLAS"))
+    outside = (os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
+               _config.get("TORCH_TPU_PALLAS"))
     memo = _CONFIG_MEMO
     if memo and memo[0] == values and memo[1] == outside:  # (a warm start asks once per entry it loads)
         return memo[2]
@@ -582,10 +584,9 @@ def load_executable(text: str, device: Any) -> Any:
     with _cache._lock:
         _cache.counters.hits += 1
         _cache.counters.saved += seconds
-    from torch_tpu import _metrics, _programs
+    from torch_tpu import _metrics
 
     _metrics.cache_hit()
-    _programs.note_loaded()  # it holds mappings as a compiled one does (XLA:CPU): the collector counts it
     return program
 
 
@@ -632,6 +633,10 @@ def load_program(structure: str, device: Any, inputs: list[Any]) -> Any:
     On XLA:CPU a loaded program is run once on zeros shaped like `inputs` first (see `_runs`)."""
     text = _program_text(structure, device, inputs)
     program = load_executable(text, device)
+    if program is not None:
+        from torch_tpu import _programs
+
+        _programs.note_loaded()  # it holds mappings as a compiled one does (XLA:CPU): the collector counts it
     if program is not None and device.platform == "cpu" and not _runs(program, inputs, text):
         return None
     return program
@@ -725,7 +730,8 @@ def persistent_jit(fun: Callable[..., Any], structure: str, device: Any = None, 
     jitted = jax.jit(fun, **jit_kwargs)
     if _cache is None or " at 0x" in structure:  # (an object without a stable text: not keyable)
         return jitted
-    from jax._src import config, core, pjit, stages, tree_util
+    import jax.monitoring
+    from jax._src import config, core, dispatch, pjit, stages, tree_util
     from jax._src.interpreters import pxla
     from jax._src.lib import _jax
 
@@ -741,9 +747,14 @@ def persistent_jit(fun: Callable[..., Any], structure: str, device: Any = None, 
         if keyed is None:
             return standard_miss(*args, **kwargs)
         text, where = keyed
+        started = time.perf_counter()
         program = load_executable(text, where)
         if program is not None and where.platform == "cpu" and not _runs_tree(program, args, text):
             program = None
+        if program is not None:
+            # JAX's own cache reports a hit as a compile event too: torch_tpu's metrics, recompilation warnings,
+            # the doctor and the program collector count it (a new shape at a call site is one, warm or cold)
+            jax.monitoring.record_event_duration_secs(dispatch.BACKEND_COMPILE_EVENT, time.perf_counter() - started)
         if program is None:
             with storing_elsewhere():  # stored below whole: JAX's copy would be a duplicate
                 program = jitted.lower(*args).compile()
@@ -765,6 +776,7 @@ def persistent_jit(fun: Callable[..., Any], structure: str, device: Any = None, 
     f = _jax.pjit(pjit.fun_name(fun), fun, cache_miss, info.static_argnums, info.static_argnames, cache_key,
                   tree_util.dispatch_registry, pxla.cc_shard_arg,
                   pjit._get_cpp_global_cache(cache_key.contains_explicit_attributes))
+    f = functools.wraps(fun)(f)
     f._fun = fun
     f._jit_info = info
     return f
