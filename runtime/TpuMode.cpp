@@ -46,10 +46,17 @@ const Caller* inherited() {
   return c != t_self.get() ? c : nullptr;
 }
 
-// Makes this thread visible to the work PyTorch runs for it (pushed again if a DebugInfoGuard dropped it).
+// Makes this thread visible to the work PyTorch runs for it (pushed again if a DebugInfoGuard dropped it). Only
+// onto an empty stack: an entry pushed on top of another's would stay above it, and PyTorch pops its own entries
+// expecting them on top (torch.profiler's exit synchronizes the tpu, then pops PROFILER_STATE: "Expected debug
+// info of type PROFILER_STATE" if the synchronize published this thread). torch_tpu publishes the importing thread
+// at import; a thread first published under such an entry is published at its next call outside it, and until
+// then its backward passes run in the process default mode instead of its own.
 void publish() {
   Caller& me = self();
-  if (c10::ThreadLocalDebugInfo::get(kCaller) != &me) c10::ThreadLocalDebugInfo::_push(kCaller, t_self);
+  if (c10::ThreadLocalDebugInfo::get(kCaller) != &me && c10::ThreadLocalDebugInfo::current() == nullptr) {
+    c10::ThreadLocalDebugInfo::_push(kCaller, t_self);
+  }
 }
 
 int effective_mode() {

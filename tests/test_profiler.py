@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from conftest import run_python
 from torch_tpu import _eager, _storage
 
 
@@ -55,6 +56,37 @@ def test_ops_and_ranges_recorded_like_cpu(tmp_path) -> None:
     assert by_name["aten::mm"]["args"]["Input Dims"] == [[4, 6], [6, 3]]
     r, m = by_name["tpu_test_range"], by_name["aten::mm"]
     assert r["ts"] <= m["ts"] and m["ts"] + m["dur"] <= r["ts"] + r["dur"]
+
+
+FRESH_PROFILE = r"""
+import threading, torch
+from torch.profiler import ProfilerActivity, profile
+
+def profiled(tag):
+    x = torch.ones(4, 4, device="tpu")
+    m = torch.nn.Linear(4, 4).tpu()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]) as prof:
+        m(x).sum().backward()
+        y = (x @ x).cpu()
+    keys = {e.key for e in prof.key_averages()}
+    print(tag, "aten::mm" in keys, y.sum().item(), m.weight.grad.sum().item())
+
+profiled("main")  # the first synchronize of the process is torch.profiler's own, at its exit
+t = threading.Thread(target=profiled, args=("thread",))  # a thread whose first sync is inside the profile
+t.start(); t.join()
+"""
+
+
+def test_profile_in_a_fresh_process_and_thread() -> None:
+    """torch.profiler's exit synchronizes the tpu before it pops its own thread-local state; the synchronize must
+    not leave torch_tpu's state above it ("Expected debug info of type PROFILER_STATE" for a thread whose first
+    synchronize was that one, as in any fresh process)."""
+    out = run_python(FRESH_PROFILE)
+    assert out.returncode == 0, out.stderr[-3000:]
+    x, m = torch.ones(4, 4), torch.nn.Linear(4, 4)
+    m(x).sum().backward()
+    values = f"True {(x @ x).sum().item()} {m.weight.grad.sum().item()}"  # CPU's
+    assert f"main {values}" in out.stdout and f"thread {values}" in out.stdout, out.stdout
 
 
 def test_annotate_is_a_record_function_range() -> None:

@@ -48,6 +48,7 @@ def _setup() -> None:
     _C._set_resolver(_deferred.resolve)  # the storage accessors' placeholder contract (runtime/TpuPython.cpp)
     _programs.register_cache(_deferred.drop_programs)  # the program collector drops the fused programs too
     _deferred.mode_from_env()
+    _C._graph_owner()  # publishes the importing thread while its debug-info stack is empty (runtime/TpuMode.cpp)
     # torch.compile: Dynamo must run the Python kernels above as plain Python, never trace them.
     from torch_tpu import _dynamo_skip
 
