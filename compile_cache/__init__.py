@@ -461,6 +461,15 @@ _CONFIG_SKIP = ("jax_compilation_cache_dir", "jax_persistent_cache", "jax_enable
 def _config_text() -> str:
     """What JAX's key covers for its own entries and torch_tpu's entries must cover too: JAX's configuration
     (x64, default matmul precision, ...) and XLA's flags."""
+    return _configuration()[0]
+
+
+def _config_hash() -> str:
+    """_config_text()'s sha256 (keys hold it instead of the ~5 KB text)."""
+    return _configuration()[1]
+
+
+def _configuration() -> tuple[str, str]:
     import jax
 
     from torch_tpu import _config
@@ -475,22 +484,12 @@ def _config_text() -> str:
         return memo[2]
     items = sorted((k, repr(v)) for k, v in values.items() if not k.startswith(_CONFIG_SKIP))
     text = repr((items, *outside))
-    memo[:] = [values, outside, text]
-    return text
+    result = (text, hashlib.sha256(text.encode()).hexdigest())
+    memo[:] = [values, outside, result]
+    return result
 
 
-_CONFIG_MEMO: list = []  # [JAX's configuration values, the settings outside it, _config_text()]
-
-
-def _config_hash() -> str:
-    text = _config_text()
-    if _CONFIG_HASH and _CONFIG_HASH[0] is text:
-        return _CONFIG_HASH[1]
-    _CONFIG_HASH[:] = [text, hashlib.sha256(text.encode()).hexdigest()]
-    return _CONFIG_HASH[1]
-
-
-_CONFIG_HASH: list = []  # [the _config_text() hashed, its hash]
+_CONFIG_MEMO: list = []  # [JAX's configuration values, the settings outside it, (_config_text(), its hash)]
 
 _SOURCE_HASH: list[str] = []
 
@@ -633,11 +632,12 @@ def load_program(structure: str, device: Any, inputs: list[Any]) -> Any:
     On XLA:CPU a loaded program is run once on zeros shaped like `inputs` first (see `_runs`)."""
     text = _program_text(structure, device, inputs)
     program = load_executable(text, device)
-    if program is not None:
-        from torch_tpu import _programs
+    if program is None:
+        return None
+    from torch_tpu import _programs
 
-        _programs.note_loaded()  # it holds mappings as a compiled one does (XLA:CPU): the collector counts it
-    if program is not None and device.platform == "cpu" and not _runs(program, inputs, text):
+    _programs.note_loaded()  # it holds mappings as a compiled one does (XLA:CPU): the collector counts it
+    if device.platform == "cpu" and not _runs(program, inputs, text):
         return None
     return program
 
@@ -695,26 +695,25 @@ def _call_text(structure: str, args: tuple, device: Any) -> tuple[str, Any] | No
 
     leaves, treedef = jax.tree_util.tree_flatten(args)
     specs = []
-    given = device
-    device = None
+    where = None  # the first array's device
     for leaf in leaves:
         spec = _leaf_spec(leaf)
         if spec is None:
             return None
         specs.append(spec)
-        if device is None and len(spec) == 3:
+        if where is None and len(spec) == 3:
             devices = leaf.devices()
             if len(devices) != 1:
                 return None
-            device = next(iter(devices))
-    if device is None:
-        device = given
-    if device is None or (given is not None and device != given):
+            where = next(iter(devices))
+    if where is None:
+        where = device
+    if where is None or (device is not None and where != device):
         return None
     # torch's default dtype: a lowering may read it while it is traced (a Python scalar's dtype)
-    text = repr((structure, str(treedef), specs, str(torch.get_default_dtype()), device.platform,
-                 device.device_kind, device.id, jax.process_count()))
-    return text, device
+    text = repr((structure, str(treedef), specs, str(torch.get_default_dtype()), where.platform,
+                 where.device_kind, where.id, jax.process_count()))
+    return text, where
 
 
 def persistent_jit(fun: Callable[..., Any], structure: str, device: Any = None, **jit_kwargs: Any) -> Any:

@@ -38,7 +38,7 @@ def _salt(options: Any) -> str:
     from torch_tpu import compile_cache
 
     return repr((compile_cache._versions(), compile_cache._source_hash(),
-                 hashlib.sha256(compile_cache._config_text().encode()).hexdigest(), options))
+                 compile_cache._config_hash(), options))
 
 
 class _Salt(CustomGraphPass):

@@ -341,11 +341,12 @@ class OpKernel(Signature):
             self._put_fast(key, self._make_fast(n, vals, inplace_dtype))
 
     def _given_args(self, n: int, vals: list, inplace_dtype: torch.dtype | None,
-                    views: tuple = ()) -> Callable[..., Any]:
+                    views: tuple = (), prepared: tuple | None = None) -> Callable[..., Any]:
         """The lowering as a function of the first `n` arguments only (the rest as in `vals`), for the fast path;
         `views` ((position, sizes, strides, storage offset) or (position, "list", elements), ...: _views) reads
-        those arguments, or tensor lists' elements, from their storages' arrays."""
-        _, dyn, static, _ = self.prepare(vals, arrays=False)
+        those arguments, or tensor lists' elements, from their storages' arrays. `prepared`: the caller's
+        `self.prepare(vals, arrays=False)`."""
+        _, dyn, static, _ = prepared or self.prepare(vals, arrays=False)
         run = self._traced(static, None)
         tail = tuple(dyn[n:])
         name = self.name
@@ -372,10 +373,11 @@ class OpKernel(Signature):
                    views: tuple = ()) -> Callable[..., Any]:
         # What given_args computes, in words that mean the same in every process (the arguments after the
         # first n are baked into it)
-        _, dyn, static, _ = self.prepare(vals, arrays=False)
+        prepared = self.prepare(vals, arrays=False)
+        _, dyn, static, _ = prepared
         structure = repr(("eager-fast", _qualified(self.name), n, repr(inplace_dtype), views, static,
                           tuple(dyn[n:])))
-        return _jit(self.lowering, self._given_args(n, vals, inplace_dtype, views), structure=structure)
+        return _jit(self.lowering, self._given_args(n, vals, inplace_dtype, views, prepared), structure=structure)
 
     def _recorded_entry(self, key: tuple, vals: list, inplace_dtype: torch.dtype | None,
                         views: tuple = ()) -> tuple[Any, Callable[..., Any]]:
@@ -463,16 +465,16 @@ def _jit(lowering: Any, fn: Callable[..., Any], structure: str | None = None, de
     when the lowering declares `checks`, else a jax.jit callable (no wrapper on the call); with `structure` (the
     text naming `fn` in every process; `device`: where a call without arrays runs) the compile cache stores its
     executables whole, so a warm start loads them without tracing."""
-    if structure is None:
-        if lowering.checks:
-            return _checks.jit(fn, **jit_kwargs)
-        return jax.jit(_checks.undeclared(fn, lowering.name), **jit_kwargs)
     from torch_tpu import compile_cache
 
     if lowering.checks:
-        return _checks.jit(fn, lambda f, checked: compile_cache.persistent_jit(
+        make = None if structure is None else (lambda f, checked: compile_cache.persistent_jit(
             f, repr((structure, "checked" if checked else "unchecked")), device, **jit_kwargs))
-    return compile_cache.persistent_jit(_checks.undeclared(fn, lowering.name), structure, device, **jit_kwargs)
+        return _checks.jit(fn, make, **jit_kwargs)
+    fn = _checks.undeclared(fn, lowering.name)
+    if structure is None:
+        return jax.jit(fn, **jit_kwargs)
+    return compile_cache.persistent_jit(fn, structure, device, **jit_kwargs)
 
 
 # ---- installation ----
