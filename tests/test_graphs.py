@@ -236,6 +236,20 @@ def test_replay_refuses_a_resized_static_input():
         g.replay()
 
 
+def test_replay_after_a_static_input_was_read_and_written_through_a_reshaping_view():
+    # A whole read or write through a view of another shape keeps the storage's array in that shape (a bias
+    # gradient read between replays, `x.view(-1).copy_(...)`): the same bytes, which the replay reads as captured.
+    x = torch.randn(2, 6, device="tpu")
+    g, out = _capture(lambda: x.sum(0) * 2)
+    flat = x.view(12)
+    for k in range(3):
+        new = torch.randn(12)
+        torch.testing.assert_close(torch._foreach_mul([flat], 1.0)[0].cpu(), x.cpu().view(12))  # a read
+        flat.copy_(new.to("tpu"))  # a write
+        g.replay()
+        torch.testing.assert_close(out.cpu(), new.view(2, 6).sum(0) * 2)
+
+
 def test_replay_keeps_arrays_pending_work_still_reads():
     """A replay donates the arrays of the state it overwrites only when nothing else holds them: here a graph
     recorded before the replay still reads the parameter's old value."""

@@ -334,6 +334,11 @@ class TPUGraph:
         inputs = list(self._template)
         for i, st, sig in self._reads:
             a = _array_of(st)
+            if a is not None and type(a) is not Bound and a.dtype == sig[1] and tuple(a.shape) != tuple(sig[0]) \
+                    and np.prod(a.shape) == np.prod(sig[0]):
+                # the same bytes in another shape: the storage was read or written whole through a view of another
+                # shape since (torch_tpu/_storage.py keeps the array in that view's shape)
+                a = a.reshape(sig[0])
             if a is None or type(a) is Bound or (a.shape, a.dtype) != sig:
                 now = "no array" if a is None else "a capture in progress" if type(a) is Bound else \
                     f"shape {tuple(a.shape)} dtype {a.dtype}"

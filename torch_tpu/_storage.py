@@ -237,7 +237,16 @@ def read(t: torch.Tensor) -> Any:
     dtype = _runtime.jax_dtype(t.dtype)
     if base is None:  # never written: reads as zeros
         return jax.device_put(jnp.zeros(tuple(t.shape), dtype), _runtime.device(index))
-    return _reader(base.shape, base.dtype, dtype, _geometry(t), t.is_conj(), t.is_neg())(base)
+    conj, neg = t.is_conj(), t.is_neg()
+    value = _reader(base.shape, base.dtype, dtype, _geometry(t), conj, neg)(base)
+    # A contiguous tensor over its whole storage in another shape than the storage's array (a Linear's bias gradient
+    # is `sum(0, keepdim=True).view(n)`: an (n,) tensor over a (1, n) array): the storage keeps the array in this
+    # tensor's shape from now on, as a write of the whole tensor would, so that its next reads take the whole-array
+    # path (an optimizer step reads each gradient three times; each read was a reshape). The bytes are the same.
+    if (not conj and not neg and base.dtype == dtype and t.storage_offset() == 0 and t.numel() > 0
+            and t.numel() * t.element_size() == nbytes and t.is_contiguous() and not _executor.capturing()):
+        _C._set_array(t, value, t.dtype)
+    return value
 
 
 def write(t: torch.Tensor, value: Any) -> None:
