@@ -86,27 +86,34 @@ def test_views_of_every_geometry_read_and_write_like_cpu(sizes, strides, offset,
 
 @pytest.mark.parametrize("mode", ["DEFER_NEVER", "DEFER_AND_FUSE"])
 def test_a_reshaping_view_over_its_whole_storage_is_read_whole_after_its_first_read(mode) -> None:
-    # A Linear's bias gradient is `sum(0, keepdim=True).view(n)`: an (n,) tensor over a (1, n) array. Its first read
-    # keeps the storage's array in its shape; later reads take the whole-array path; the base, the view and writes
-    # through either still agree with CPU.
+    # A Linear's bias gradient is `sum(0, keepdim=True).view(n)` with the (1, n) tensor gone: an (n,) tensor alone
+    # over a (1, n) array. Its first read keeps the storage's array in its shape, later reads take the whole-array
+    # path; values and writes through it and through a new base agree with CPU. While another tensor views the
+    # storage, reads of the view leave the array alone (the other tensor keeps its whole-array path).
     from torch_tpu import _C
 
     cpu_base = torch.arange(12.0).reshape(1, 12)
     with torch.tpu.set_eager_mode(mode):
-        base = cpu_base.to("tpu") * 1  # (a new storage whose array is (1, 12))
-        view = base.view(12)
+        view = (cpu_base.to("tpu") * 1).view(12).detach()  # (the (1, 12) tensor gone, as in autograd's sum_to_size)
         assert _C._array(view) is None  # another shape than the array: read through a reshape
         torch.testing.assert_close(torch._foreach_mul([view], 2.0)[0].cpu(), cpu_base.view(12) * 2)
-        assert _C._array(view) is not None and _C._array(base) is None  # the array now has the view's shape
+        assert _C._array(view) is not None  # the array now has the view's shape
+        base = view.view(1, 12)
+        assert _C._array(base) is None
         torch.testing.assert_close(base.cpu(), cpu_base)
         view.add_(1)
         base.mul_(3)
         torch.testing.assert_close(view.cpu(), (cpu_base.view(12) + 1) * 3)
         torch.testing.assert_close(base.cpu(), (cpu_base + 1) * 3)
-        assert _C._array(base) is not None  # (the whole write by `base` left the array in its shape)
-        strided = base.view(3, 4).t()  # not contiguous: read through the reader, the array keeps its shape
-        torch.testing.assert_close(strided.cpu(), ((cpu_base + 1) * 3).view(3, 4).t())
-        assert tuple(_C._storage_array(base)[0].shape) == (1, 12)
+
+        shared = cpu_base.to("tpu") * 1  # alive beside its view: the view's reads do not move the array
+        flat = shared.view(12)
+        for _ in range(2):
+            torch.testing.assert_close(torch._foreach_mul([flat], 2.0)[0].cpu(), cpu_base.view(12) * 2)
+            assert _C._array(shared) is not None and _C._array(flat) is None
+        strided = shared.view(3, 4).t()  # not contiguous: read through the reader, the array keeps its shape
+        torch.testing.assert_close(strided.cpu(), cpu_base.view(3, 4).t())
+        assert tuple(_C._storage_array(shared)[0].shape) == (1, 12)
 
 
 def test_strided_slices_read_and_write_without_an_element_gather() -> None:

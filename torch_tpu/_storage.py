@@ -239,14 +239,23 @@ def read(t: torch.Tensor) -> Any:
         return jax.device_put(jnp.zeros(tuple(t.shape), dtype), _runtime.device(index))
     conj, neg = t.is_conj(), t.is_neg()
     value = _reader(base.shape, base.dtype, dtype, _geometry(t), conj, neg)(base)
-    # A contiguous tensor over its whole storage in another shape than the storage's array (a Linear's bias gradient
-    # is `sum(0, keepdim=True).view(n)`: an (n,) tensor over a (1, n) array): the storage keeps the array in this
-    # tensor's shape from now on, as a write of the whole tensor would, so that its next reads take the whole-array
-    # path (an optimizer step reads each gradient three times; each read was a reshape). The bytes are the same.
+    # A contiguous tensor over its whole storage in another shape than the storage's array, and the only tensor of
+    # that storage (a Linear's bias gradient is `sum(0, keepdim=True).view(n)`: an (n,) tensor over a (1, n) array
+    # whose tensor is gone): the storage keeps the array in this tensor's shape from now on, as a write of the whole
+    # tensor would, so that its next reads take the whole-array path (an optimizer step reads each gradient three
+    # times; each read was a reshape). The bytes are the same. While another tensor views the storage (`x` and
+    # `x.view(-1)` both read in a loop), the array stays as it is: reads of both would each reshape it back.
     if (not conj and not neg and base.dtype == dtype and t.storage_offset() == 0 and t.numel() > 0
-            and t.numel() * t.element_size() == nbytes and t.is_contiguous() and not _executor.capturing()):
+            and t.numel() * t.element_size() == nbytes and t.is_contiguous() and not _executor.capturing()
+            and _sole_tensor(t)):
         _C._set_array(t, value, t.dtype)
     return value
+
+
+def _sole_tensor(t: torch.Tensor) -> bool:
+    """No other tensor (nor a view's `_base`, nor a Python storage object) holds `t`'s storage: its references are
+    `t`'s own and the one `untyped_storage()` makes here."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
 
 
 def write(t: torch.Tensor, value: Any) -> None:
