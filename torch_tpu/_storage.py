@@ -253,8 +253,9 @@ def read(t: torch.Tensor) -> Any:
 
 
 def _sole_tensor(t: torch.Tensor) -> bool:
-    """No other tensor (nor a view's `_base`, nor a Python storage object) holds `t`'s storage: its references are
-    `t`'s own and the one `untyped_storage()` makes here."""
+    """No other tensor (nor a view's `_base`) holds `t`'s storage: its C++ references are `t`'s own and the one of
+    its Python storage object, which `untyped_storage()` makes here or finds alive (others holding that same object,
+    as a captured graph holds its static storages, add none)."""
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
 
 
