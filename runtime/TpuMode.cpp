@@ -227,6 +227,188 @@ PyObject* py_fuse_direct_ends(PyObject*, PyObject* reset) {
 
 PyObject* py_fuse_direct(PyObject*, PyObject*) { return PyBool_FromLong(t_direct); }
 
+// ---- recording a list argument (torch_tpu/_deferred.py `_arg_list`, the per-element loop of a foreach op) ----
+// The recorder's types and its Python fallbacks, set once by _deferred (_fuse_arg_types): the placeholder type, the
+// set of device array types _arg has seen (the same set object, so its later additions count here), and the
+// functions _arg(g, v) and _input(g, v) for everything this loop does not take inline.
+struct ArgTypes {
+  PyObject* pending = nullptr;
+  PyObject* arrays = nullptr;
+  PyObject* arg = nullptr;
+  PyObject* input = nullptr;
+  PyObject *s_value, *s_graph, *s_node, *s_out, *s_meta, *s_inputs, *s_input_pos, *k_n, *k_i, *k_l;
+};
+ArgTypes g_arg;
+
+PyObject* py_fuse_arg_types(PyObject*, PyObject* args) {
+  PyObject *pending, *arrays, *arg, *input;
+  if (!PyArg_ParseTuple(args, "OO!OO", &pending, &PySet_Type, &arrays, &arg, &input)) return nullptr;
+  for (PyObject* o : {pending, arrays, arg, input}) Py_INCREF(o);
+  g_arg.pending = pending;
+  g_arg.arrays = arrays;
+  g_arg.arg = arg;
+  g_arg.input = input;
+  g_arg.s_value = PyUnicode_InternFromString("value");
+  g_arg.s_graph = PyUnicode_InternFromString("graph");
+  g_arg.s_node = PyUnicode_InternFromString("node");
+  g_arg.s_out = PyUnicode_InternFromString("out");
+  g_arg.s_meta = PyUnicode_InternFromString("meta");
+  g_arg.s_inputs = PyUnicode_InternFromString("inputs");
+  g_arg.s_input_pos = PyUnicode_InternFromString("input_pos");
+  g_arg.k_n = PyUnicode_InternFromString("n");
+  g_arg.k_i = PyUnicode_InternFromString("i");
+  g_arg.k_l = PyUnicode_InternFromString("l");
+  Py_RETURN_NONE;
+}
+
+// One element: new references to its spec and signature in *spec and *sig; false with a Python error set.
+bool arg_element(PyObject* g, PyObject* inputs, PyObject* input_pos, PyObject* v, PyObject** spec, PyObject** sig);
+
+// (("l", specs), sigs) of a list or tuple, as _deferred._arg_list; nullptr with a Python error set.
+PyObject* arg_list(PyObject* g, PyObject* inputs, PyObject* input_pos, PyObject* seq) {
+  PyObject* fast = PySequence_Fast(seq, "_fuse_arg_list: expected a list or tuple");
+  if (fast == nullptr) return nullptr;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  PyObject* specs = PyTuple_New(n);
+  PyObject* sigs = PyTuple_New(n);
+  if (specs == nullptr || sigs == nullptr) {
+    Py_XDECREF(specs);
+    Py_XDECREF(sigs);
+    Py_DECREF(fast);
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject *sp, *sg;
+    if (!arg_element(g, inputs, input_pos, PySequence_Fast_GET_ITEM(fast, i), &sp, &sg)) {
+      Py_DECREF(specs);
+      Py_DECREF(sigs);
+      Py_DECREF(fast);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(specs, i, sp);
+    PyTuple_SET_ITEM(sigs, i, sg);
+  }
+  Py_DECREF(fast);
+  PyObject* spec = PyTuple_Pack(2, g_arg.k_l, specs);
+  Py_DECREF(specs);
+  if (spec == nullptr) {
+    Py_DECREF(sigs);
+    return nullptr;
+  }
+  PyObject* out = PyTuple_Pack(2, spec, sigs);
+  Py_DECREF(spec);
+  Py_DECREF(sigs);
+  return out;
+}
+
+// Splits a (spec, sig) pair returned by Python into two new references (false with an error set).
+bool split_pair(PyObject* pair, PyObject** spec, PyObject** sig) {
+  if (pair == nullptr) return false;
+  if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+    Py_DECREF(pair);
+    PyErr_SetString(PyExc_TypeError, "torch_tpu: internal error: a recorded argument's (spec, signature)");
+    return false;
+  }
+  *spec = PyTuple_GET_ITEM(pair, 0);
+  *sig = PyTuple_GET_ITEM(pair, 1);
+  Py_INCREF(*spec);
+  Py_INCREF(*sig);
+  Py_DECREF(pair);
+  return true;
+}
+
+bool arg_element(PyObject* g, PyObject* inputs, PyObject* input_pos, PyObject* v, PyObject** spec, PyObject** sig) {
+  PyTypeObject* t = Py_TYPE(v);
+  if (reinterpret_cast<PyObject*>(t) == g_arg.pending) {  // an earlier result of this graph: ("n", node, out), meta
+    PyObject* value = PyObject_GetAttr(v, g_arg.s_value);
+    if (value == nullptr) return false;
+    bool pending = value == Py_None;
+    Py_DECREF(value);
+    if (pending) {
+      PyObject* graph = PyObject_GetAttr(v, g_arg.s_graph);
+      if (graph == nullptr) return false;
+      bool mine = graph == g;
+      Py_DECREF(graph);
+      if (mine) {
+        PyObject* node = PyObject_GetAttr(v, g_arg.s_node);
+        PyObject* out = node ? PyObject_GetAttr(v, g_arg.s_out) : nullptr;
+        PyObject* meta = out ? PyObject_GetAttr(v, g_arg.s_meta) : nullptr;
+        PyObject* sp = meta ? PyTuple_Pack(3, g_arg.k_n, node, out) : nullptr;
+        Py_XDECREF(node);
+        Py_XDECREF(out);
+        if (sp == nullptr) {
+          Py_XDECREF(meta);
+          return false;
+        }
+        *spec = sp;
+        *sig = meta;
+        return true;
+      }
+    }
+  } else if (v == Py_None) {
+    Py_INCREF(Py_None);
+    Py_INCREF(Py_None);
+    *spec = Py_None;
+    *sig = Py_None;
+    return true;
+  } else if (t == &PyBool_Type || t == &PyLong_Type || t == &PyFloat_Type || t == &PyComplex_Type) {
+    // a Python number: a new input at the end, its type the signature (_deferred._SCALARS)
+    PyObject* pos = PyLong_FromSsize_t(PyList_GET_SIZE(inputs));
+    if (pos == nullptr) return false;
+    PyObject* sp = PyTuple_Pack(2, g_arg.k_i, pos);
+    Py_DECREF(pos);
+    if (sp == nullptr || PyList_Append(inputs, v) < 0) {
+      Py_XDECREF(sp);
+      return false;
+    }
+    Py_INCREF(reinterpret_cast<PyObject*>(t));
+    *spec = sp;
+    *sig = reinterpret_cast<PyObject*>(t);
+    return true;
+  } else if (t == &PyList_Type || t == &PyTuple_Type) {
+    return split_pair(arg_list(g, inputs, input_pos, v), spec, sig);
+  } else {
+    int known = PySet_Contains(g_arg.arrays, reinterpret_cast<PyObject*>(t));
+    if (known < 0) return false;
+    if (known) {  // a device array: its input position, if the graph has it already (else _input adds it)
+      PyObject* key = PyLong_FromVoidPtr(v);
+      if (key == nullptr) return false;
+      PyObject* found = PyDict_GetItemWithError(input_pos, key);  // borrowed
+      Py_DECREF(key);
+      if (found != nullptr) {
+        Py_INCREF(found);
+        return split_pair(found, spec, sig);
+      }
+      if (PyErr_Occurred()) return false;
+      return split_pair(PyObject_CallFunctionObjArgs(g_arg.input, g, v, nullptr), spec, sig);
+    }
+  }
+  return split_pair(PyObject_CallFunctionObjArgs(g_arg.arg, g, v, nullptr), spec, sig);
+}
+
+// _fuse_arg_list(graph, list) -> (("l", specs), sigs): _deferred._arg_list's loop (placeholders of the graph, its
+// inputs, numbers and None inline; anything else through _arg).
+PyObject* py_fuse_arg_list(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || g_arg.pending == nullptr) {
+    PyErr_SetString(PyExc_TypeError, "torch_tpu: internal error: _fuse_arg_list(graph, list) before _fuse_arg_types");
+    return nullptr;
+  }
+  PyObject* g = args[0];
+  PyObject* inputs = PyObject_GetAttr(g, g_arg.s_inputs);
+  if (inputs == nullptr) return nullptr;
+  PyObject* input_pos = PyObject_GetAttr(g, g_arg.s_input_pos);
+  if (input_pos == nullptr || !PyList_Check(inputs) || !PyDict_Check(input_pos)) {
+    Py_DECREF(inputs);
+    Py_XDECREF(input_pos);
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "torch_tpu: internal error: a graph's inputs");
+    return nullptr;
+  }
+  PyObject* out = arg_list(g, inputs, input_pos, args[1]);
+  Py_DECREF(inputs);
+  Py_DECREF(input_pos);
+  return out;
+}
+
 PyMethodDef kModeMethods[] = {
     {"_mode", py_mode, METH_NOARGS, "the calling thread's effective execution mode (an EagerMode value)"},
     {"_recording", py_recording, METH_NOARGS, "True when tpu ops on this thread are recorded (DEFER_AND_FUSE)"},
@@ -244,6 +426,10 @@ PyMethodDef kModeMethods[] = {
      METH_FASTCALL, "a synchronization point (value read or None, reason): ends a direct op's segment"},
     {"_fuse_direct_ends", py_fuse_direct_ends, METH_O, "{reason: segments of a direct op}, cleared with reset"},
     {"_fuse_direct", py_fuse_direct, METH_NOARGS, "True while this thread dispatches one-op segments directly"},
+    {"_fuse_arg_types", py_fuse_arg_types, METH_VARARGS,
+     "(Pending, array type set, _arg, _input): the recorder's types for _fuse_arg_list"},
+    {"_fuse_arg_list", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_fuse_arg_list)), METH_FASTCALL,
+     "(graph, list) -> ((\"l\", specs), sigs): a recorded list argument's specs and signatures"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

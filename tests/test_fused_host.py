@@ -161,3 +161,65 @@ def test_the_cut_follows_the_stream_after_a_sync(monkeypatch) -> None:
             xs = torch.cat([xs, xs[:1] * i])
         assert torch.tpu.metrics().flushes.get("size_limit", 0) - before.flushes.get("size_limit", 0) >= 4
         torch.testing.assert_close(x.cpu(), xs)
+
+
+def _python_arg_list(g, a):
+    """The recorder's list loop as Python wrote it before runtime/TpuMode.cpp took it over (the oracle)."""
+    specs, sigs = [], []
+    for v in a:
+        t = type(v)
+        if t is _deferred.Pending and v.value is None and v.graph is g:
+            specs.append(("n", v.node, v.out))
+            sigs.append(v.meta)
+        elif t in _deferred._ARRAY_TYPES:
+            sp, sg = _deferred._input(g, v)
+            specs.append(sp)
+            sigs.append(sg)
+        elif v is None:
+            specs.append(None)
+            sigs.append(None)
+        elif t in _deferred._SCALARS:
+            specs.append(("i", len(g.inputs)))
+            g.inputs.append(v)
+            sigs.append(t)
+        else:
+            sp, sg = _python_arg_list(g, v) if t is list or t is tuple else _deferred._arg(g, v)
+            specs.append(sp)
+            sigs.append(sg)
+    return ("l", tuple(specs)), tuple(sigs)
+
+
+def test_a_list_argument_is_recorded_as_the_python_loop_did() -> None:
+    """A foreach op's list arguments are recorded by one C++ loop (_deferred._arg_list): every kind of element (this
+    graph's placeholders, a computed placeholder, device arrays seen before or not, numbers of each type, None,
+    nested lists and tuples, a torch.Size, a constant) gets the spec, signature and graph inputs the Python loop
+    gave, and a placeholder of another graph still asks for a transfer."""
+    import jax.numpy as jnp
+
+    a, b = jnp.zeros((2, 3), jnp.float32), jnp.ones((4,), jnp.int32)
+    _deferred._arg(_deferred._Graph(-1, 0), a)  # the array type is known from here on (as after any first op)
+
+    def items(g, other):
+        mine = _deferred.Pending(g, 3, 1, ((2, 3), a.dtype, False))
+        done = _deferred.Pending(g, 0, 0, ((2, 3), a.dtype, False))
+        done.value = b
+        return [mine, a, None, 2, 0.5, True, 1j, [a, b, 3, (None, mine)], (4.0,), torch.Size([2, 3]), "mean", done,
+                a, b]
+
+    graphs = []
+    for f in (_deferred._arg_list, _python_arg_list):
+        g = _deferred._Graph(-1, 0)
+        got = f(g, items(g, None))
+        graphs.append((got, list(g.inputs), dict(g.input_pos)))
+    (got, inputs, pos), (want, want_inputs, want_pos) = graphs
+    assert got == want
+    assert len(inputs) == len(want_inputs) and all(x is y or x == y for x, y in zip(inputs, want_inputs))
+    assert [type(x) for x in inputs] == [type(x) for x in want_inputs]
+    assert pos == want_pos
+    assert got[0][1][0] == ("n", 3, 1) and got[0][1][1] == ("i", 0)  # the placeholder inline, the array deduplicated
+
+    g, other = _deferred._Graph(-1, 0), _deferred._Graph(-2, 0)
+    foreign = _deferred.Pending(other, 0, 0, ((2, 3), a.dtype, False))
+    with pytest.raises(_deferred._Transfer) as info:
+        _deferred._arg_list(g, [a, foreign])
+    assert info.value.pending is foreign

@@ -462,32 +462,11 @@ def _arg(g: _Graph, a: Any) -> tuple[Any, Any]:
     return ("c", a), ("c", a)  # a hashable constant
 
 
-def _arg_list(g: _Graph, a: list | tuple) -> tuple[Any, Any]:
-    """_arg of a list (a foreach op's: per element, its arguments), with the common elements inline."""
-    specs = []
-    sigs = []
-    inputs = g.inputs
-    for v in a:
-        t = type(v)
-        if t is Pending and v.value is None and v.graph is g:
-            specs.append(("n", v.node, v.out))
-            sigs.append(v.meta)
-        elif t in _ARRAY_TYPES:  # a concrete device array (a parameter read at the start of a step)
-            sp, sg = _input(g, v)
-            specs.append(sp)
-            sigs.append(sg)
-        elif v is None:
-            specs.append(None)
-            sigs.append(None)
-        elif t in _SCALARS:
-            specs.append(("i", len(inputs)))
-            inputs.append(v)
-            sigs.append(t)
-        else:
-            sp, sg = _arg_list(g, v) if t is list or t is tuple else _arg(g, v)
-            specs.append(sp)
-            sigs.append(sg)
-    return ("l", tuple(specs)), tuple(sigs)
+# _arg of a list (a foreach op's: per element, its arguments): ("l", specs), sigs. One C++ loop (runtime/TpuMode.cpp)
+# takes the common elements inline (this graph's placeholders, inputs it has already, Python numbers, None, nested
+# lists) and hands anything else to _arg or _input; a foreach op over a model's parameters has a few hundred.
+_arg_list = _C._fuse_arg_list
+_C._fuse_arg_types(Pending, _ARRAY_TYPES, _arg, _input)
 
 
 def _abstract(spec: Any, sig: Any, inputs: list[Any]) -> Any:
@@ -694,12 +673,9 @@ def _record(index: int, fkey: Any, fn: Callable[..., Any], args: tuple | list) -
         result = Pending(g, node, 0, metas[0])
         pendings.append(weakref.ref(result))
     else:
-        outs = []
-        for j, meta in enumerate(metas):
-            p = Pending(g, node, j, meta)
-            pendings.append(weakref.ref(p))
-            outs.append(p)
-        result = jax.tree_util.tree_unflatten(treedef, outs)
+        outs = [Pending(g, node, j, meta) for j, meta in enumerate(metas)]
+        pendings.extend(map(weakref.ref, outs))
+        result = treedef.unflatten(outs)
     return result, (g if node + 1 >= g.limit else None)
 
 

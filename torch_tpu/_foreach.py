@@ -171,7 +171,7 @@ class ForeachKernel:
                 per.append(False)
             elif p:
                 v = v if type(v) is list else list(v)
-                if all(type(x) in _NUMBERS for x in v):
+                if v and type(v[0]) in _NUMBERS and all(type(x) in _NUMBERS for x in v):  # (tensors: one test)
                     cols.append(v)
                     scol.append([type(x) for x in v])
                 else:
@@ -208,7 +208,7 @@ class ForeachKernel:
                     return None
                 arrays.extend(got[0])
                 mask |= got[1] << c
-            owner = {id(a): i for i, a in enumerate(arrays)}
+            owner = dict(zip(map(id, arrays), range(n)))
             if len(owner) != n:  # two targets share an array: the general path checks their storages
                 return None
             if viewed:  # a view's read is a new array: compare storages (a view of a target: the general path)
@@ -217,7 +217,9 @@ class ForeachKernel:
                     return None
             for c, p in zip(cols[1:], per[1:]):
                 if p and type(c) is tuple:
-                    if any(owner.get(id(a), i) != i for i, a in enumerate(c)):
+                    # (set operations first: in an optimizer step no other list reads a target's array at all)
+                    if not owner.keys().isdisjoint(map(id, c)) and \
+                            any(owner.get(id(a), i) != i for i, a in enumerate(c)):
                         return None
                 elif id(c) in owner and n > 1:  # one tensor read by every element
                     return None
