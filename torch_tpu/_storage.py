@@ -245,11 +245,16 @@ def read(t: torch.Tensor) -> Any:
     # tensor would, so that its next reads take the whole-array path (an optimizer step reads each gradient three
     # times; each read was a reshape). The bytes are the same. While another tensor views the storage (`x` and
     # `x.view(-1)` both read in a loop), the array stays as it is: reads of both would each reshape it back.
-    if (not conj and not neg and base.dtype == dtype and t.storage_offset() == 0 and t.numel() > 0
-            and t.numel() * t.element_size() == nbytes and t.is_contiguous() and not _executor.capturing()
-            and _sole_tensor(t)):
+    if (not conj and not neg and base.dtype == dtype and t.numel() > 0 and _covers_whole(t, nbytes)
+            and not _executor.capturing() and _sole_tensor(t)):
         _C._set_array(t, value, t.dtype)
     return value
+
+
+def _covers_whole(t: torch.Tensor, nbytes: int) -> bool:
+    """`t` is its storage's every byte, in order: offset 0, contiguous, numel * element size == the storage's
+    `nbytes` (a write of it replaces the storage's array; a read of it may keep its own shape as the array's)."""
+    return t.storage_offset() == 0 and t.is_contiguous() and t.numel() * t.element_size() == nbytes
 
 
 def _sole_tensor(t: torch.Tensor) -> bool:
@@ -265,11 +270,7 @@ def write(t: torch.Tensor, value: Any) -> None:
     dtype = _runtime.jax_dtype(t.dtype)
     base, nbytes, index = _C._storage_array(t)
     conj, neg = t.is_conj(), t.is_neg()
-    if (
-        t.storage_offset() == 0
-        and t.is_contiguous()
-        and t.numel() * t.element_size() == nbytes
-    ):
+    if _covers_whole(t, nbytes):
         if value.dtype != dtype or tuple(value.shape) != tuple(t.shape) or conj or neg:
             value = _caster(tuple(t.shape), dtype, conj, neg)(value)
         _C._set_array(t, value, t.dtype)
