@@ -264,8 +264,9 @@ PyObject* py_fuse_arg_types(PyObject*, PyObject* args) {
 // One element: new references to its spec and signature in *spec and *sig; false with a Python error set.
 bool arg_element(PyObject* g, PyObject* inputs, PyObject* input_pos, PyObject* v, PyObject** spec, PyObject** sig);
 
-// (("l", specs), sigs) of a list or tuple, as _deferred._arg_list; nullptr with a Python error set.
-PyObject* arg_list(PyObject* g, PyObject* inputs, PyObject* input_pos, PyObject* seq) {
+// (("l", specs), sigs) of a list or tuple, as _deferred._arg_list (with `top`: (specs, sigs), a recorded call's
+// own arguments); nullptr with a Python error set.
+PyObject* arg_list(PyObject* g, PyObject* inputs, PyObject* input_pos, PyObject* seq, bool top = false) {
   PyObject* fast = PySequence_Fast(seq, "_fuse_arg_list: expected a list or tuple");
   if (fast == nullptr) return nullptr;
   Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
@@ -289,6 +290,12 @@ PyObject* arg_list(PyObject* g, PyObject* inputs, PyObject* input_pos, PyObject*
     PyTuple_SET_ITEM(sigs, i, sg);
   }
   Py_DECREF(fast);
+  if (top) {
+    PyObject* out = PyTuple_Pack(2, specs, sigs);
+    Py_DECREF(specs);
+    Py_DECREF(sigs);
+    return out;
+  }
   PyObject* spec = PyTuple_Pack(2, g_arg.k_l, specs);
   Py_DECREF(specs);
   if (spec == nullptr) {
@@ -386,13 +393,16 @@ bool arg_element(PyObject* g, PyObject* inputs, PyObject* input_pos, PyObject* v
   return split_pair(PyObject_CallFunctionObjArgs(g_arg.arg, g, v, nullptr), spec, sig);
 }
 
-// _fuse_arg_list(graph, list) -> (("l", specs), sigs): _deferred._arg_list's loop (placeholders of the graph, its
-// inputs, numbers and None inline; anything else through _arg).
+// _fuse_arg_list(graph, list[, top]) -> (("l", specs), sigs): _deferred._arg_list's loop (placeholders of the graph,
+// its inputs, numbers and None inline; anything else through _arg). With `top` true: (specs, sigs) of a recorded
+// call's own arguments (_deferred._record).
 PyObject* py_fuse_arg_list(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2 || g_arg.pending == nullptr) {
-    PyErr_SetString(PyExc_TypeError, "torch_tpu: internal error: _fuse_arg_list(graph, list) before _fuse_arg_types");
+  if (nargs < 2 || nargs > 3 || g_arg.pending == nullptr) {
+    PyErr_SetString(PyExc_TypeError,
+                    "torch_tpu: internal error: _fuse_arg_list(graph, list[, top]) before _fuse_arg_types");
     return nullptr;
   }
+  bool top = nargs == 3 && args[2] == Py_True;
   PyObject* g = args[0];
   PyObject* inputs = PyObject_GetAttr(g, g_arg.s_inputs);
   if (inputs == nullptr) return nullptr;
@@ -403,7 +413,7 @@ PyObject* py_fuse_arg_list(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "torch_tpu: internal error: a graph's inputs");
     return nullptr;
   }
-  PyObject* out = arg_list(g, inputs, input_pos, args[1]);
+  PyObject* out = arg_list(g, inputs, input_pos, args[1], top);
   Py_DECREF(inputs);
   Py_DECREF(input_pos);
   return out;
@@ -429,7 +439,7 @@ PyMethodDef kModeMethods[] = {
     {"_fuse_arg_types", py_fuse_arg_types, METH_VARARGS,
      "(Pending, array type set, _arg, _input): the recorder's types for _fuse_arg_list"},
     {"_fuse_arg_list", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_fuse_arg_list)), METH_FASTCALL,
-     "(graph, list) -> ((\"l\", specs), sigs): a recorded list argument's specs and signatures"},
+     "(graph, list[, top]) -> ((\"l\", specs), sigs); with top (specs, sigs): recorded arguments"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

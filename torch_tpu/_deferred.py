@@ -629,19 +629,7 @@ def _record(index: int, fkey: Any, fn: Callable[..., Any], args: tuple | list) -
     g = _graph(index)
     n_inputs = len(g.inputs)
     try:
-        specs_l = []
-        sig_l = []
-        for a in args:
-            t = type(a)
-            if t is Pending and a.value is None and a.graph is g:  # the common case: an earlier result
-                specs_l.append(("n", a.node, a.out))
-                sig_l.append(a.meta)
-            else:
-                sp, sg = _arg(g, a)
-                specs_l.append(sp)
-                sig_l.append(sg)
-        specs = tuple(specs_l)
-        sig = tuple(sig_l)
+        specs, sig = _arg_list(g, args, True)  # (per argument as _arg: an earlier result of this graph inline)
         node = len(g.nodes)
         if node == 0:
             _C._fuse_recorded()  # a segment that records: this thread stops running one-op segments directly
