@@ -437,7 +437,9 @@ def _input(g: _Graph, a: Any) -> tuple[tuple, Any]:
 
 
 def _arg(g: _Graph, a: Any) -> tuple[Any, Any]:
-    """(spec, signature) of one argument of a recorded call."""
+    """(spec, signature) of an argument of a recorded call that the C++ loop (`_arg_list`, which takes this graph's
+    placeholders, the inputs it has, Python numbers, None and lists inline) hands back: a placeholder of another
+    graph or already computed, a `Bound`, a device array of a type not seen yet, a constant."""
     t = type(a)
     if t is Pending:
         if a.value is not None:
@@ -445,14 +447,6 @@ def _arg(g: _Graph, a: Any) -> tuple[Any, Any]:
         if a.graph is not g:
             raise _Transfer(a)  # another thread's or device's graph: materialise it (outside _lock)
         return ("n", a.node, a.out), a.meta
-    if a is None:
-        return None, None
-    if t in _SCALARS:
-        pos = len(g.inputs)
-        g.inputs.append(a)
-        return ("i", pos), t
-    if t is list or t is tuple:
-        return _arg_list(g, a)
     if t is Bound and a.graph is not g:
         raise _bound_error("by an op recorded into another graph (another thread's, or another device's)")
     if hasattr(a, "shape") and hasattr(a, "dtype"):  # a device array (or numpy value, Bound, drawn RNG step)
