@@ -52,6 +52,17 @@ struct Running {
 };
 thread_local const Running* t_running = nullptr;
 
+// A recorded entry (DEFER_AND_FUSE): the node key and unjitted callable OpKernel._recorded_entry made for calls of
+// this shape; a hit records fn(*arrays) through the executor's `record` (g_recorder) instead of running it.
+struct RecEntry {
+  int n;
+  int64_t mask;
+  int dtype;
+  PyObject* key;  // owned
+  PyObject* fn;   // owned
+};
+PyObject* g_recorder = nullptr;  // torch_tpu._executor.record(index, key, fn, args) -> placeholder (owned)
+
 PyObject* number_of(const c10::IValue& v, int64_t* code) {
   if (v.isDouble()) {
     *code = 3;
@@ -198,6 +209,15 @@ class EagerKernel final : public c10::OperatorKernel {
     entries_.push_back(Entry{n, mask, dtype, fn});  // (a deque: entries stay put while a hit uses one)
   }
 
+  void put_rec(int n, int64_t mask, int dtype, PyObject* key, PyObject* fn) {
+    for (RecEntry& e : rec_entries_) {
+      if (e.n == n && e.mask == mask && e.dtype == dtype) return;  // (as put: the first entry stays)
+    }
+    Py_INCREF(key);
+    Py_INCREF(fn);
+    rec_entries_.push_back(RecEntry{n, mask, dtype, key, fn});
+  }
+
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet /*ks*/, torch::jit::Stack* stack) {
     const auto& schema = op.schema();
     const size_t nargs = schema.arguments().size();
@@ -207,12 +227,21 @@ class EagerKernel final : public c10::OperatorKernel {
   }
 
  private:
-  // The cache hit; false (nothing popped, no Python error) when the call must take the Python kernel.
+  // The cache hit; false (nothing popped, no Python error) when the call must take the Python kernel. Under
+  // DEFER_AND_FUSE (`rec`) the hit is recorded: the recorded entry's callable and key go to the executor's
+  // `record`, as OpKernel.functional / inplace's fast path does, without the Python kernel's frame, its argument
+  // parsing and the wrap.
   bool try_hit(const c10::FunctionSchema& schema, torch::jit::Stack* stack, size_t nargs) {
-    if (entries_.empty() || g_in_bad_fork) return false;
+    if ((entries_.empty() && rec_entries_.empty()) || g_in_bad_fork) return false;
     // DEFER_NEVER; or DEFER_AND_FUSE's one-op segment, which runs as its eager op would (TpuMode.cpp)
-    const bool direct = current_mode() != 0;
-    if (direct && !direct_dispatch()) return false;
+    bool direct = current_mode() != 0;
+    bool rec = false;
+    if (direct && !direct_dispatch()) {
+      if (rec_entries_.empty() || g_recorder == nullptr || !recording()) return false;
+      rec = true;  // recorded into this thread's graph (placeholders taken as arguments)
+      direct = false;
+    }
+    if (!rec && entries_.empty()) return false;
     const auto& args = schema.arguments();
     c10::IValue* iv = stack->data() + (stack->size() - nargs);
     // The arguments the Python kernel would get positionally (see call_python and OpKernel._positional): up to
@@ -267,6 +296,7 @@ class EagerKernel final : public c10::OperatorKernel {
       if (!iv[0].isTensor()) ok = false;
       else target_dtype = static_cast<int>(iv[0].unsafeToTensorImpl()->dtype().toScalarType());
     }
+    if (rec) return record_hit(stack, iv, nargs, n, argv, made, ok ? device : -1, mask, target_dtype);
     Entry* entry = nullptr;
     if (ok && device >= 0) {
       for (Entry& e : entries_) {
@@ -305,7 +335,61 @@ class EagerKernel final : public c10::OperatorKernel {
       if (PyErr_Occurred()) throw python_error();
       return false;
     }
-    auto stype = static_cast<c10::ScalarType>(st);
+    return finish(stack, iv, nargs, out, static_cast<c10::ScalarType>(st), std::move(shape), device);
+  }
+
+  // try_hit's recorded form: `argv` (`made` new references, consumed here) are the call's arrays, placeholders and
+  // numbers; device < 0: the call is not a fast-path one.
+  bool record_hit(torch::jit::Stack* stack, c10::IValue* iv, size_t nargs, size_t n, PyObject** argv, size_t made,
+                  int device, int64_t mask, int target_dtype) {
+    RecEntry* entry = nullptr;
+    if (device >= 0 && made == n) {
+      for (RecEntry& e : rec_entries_) {
+        if (e.n == static_cast<int>(n) && e.mask == mask && e.dtype == target_dtype) {
+          entry = &e;
+          break;
+        }
+      }
+    }
+    if (entry == nullptr) {
+      for (size_t j = 0; j < made; ++j) Py_DECREF(argv[j]);
+      return false;
+    }
+    PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(n));
+    if (tuple == nullptr) {
+      for (size_t j = 0; j < made; ++j) Py_DECREF(argv[j]);
+      throw python_error();
+    }
+    for (size_t j = 0; j < n; ++j) PyTuple_SET_ITEM(tuple, j, argv[j]);  // (references stolen)
+    PyObject* index = PyLong_FromLong(device);
+    if (index == nullptr) {
+      Py_DECREF(tuple);
+      throw python_error();
+    }
+    // (entry's key and fn: held by the entry, which stays put while the recorder runs, even without the GIL)
+    PyObject* call[4] = {index, entry->key, entry->fn, tuple};
+    PyObject* out = fuse_record_hit(call);  // the predicted op, all in C++ (TpuMode.cpp)
+    if (out == nullptr && !PyErr_Occurred()) out = PyObject_Vectorcall(g_recorder, call, 4, nullptr);
+    Py_DECREF(index);
+    Py_DECREF(tuple);
+    if (out == nullptr || !dispatch_collect_if_due()) {
+      Py_XDECREF(out);
+      throw python_error();
+    }
+    int st = scalar_type_of_array(out);
+    std::vector<int64_t> shape;
+    if (st < 0 || !shape_of(out, &shape)) {
+      Py_DECREF(out);
+      if (PyErr_Occurred()) throw python_error();
+      return false;
+    }
+    return finish(stack, iv, nargs, out, static_cast<c10::ScalarType>(st), std::move(shape), device);
+  }
+
+  // Stores a hit's result `out` (a new reference, consumed): the in-place target's new array (false when it does
+  // not fit the target exactly: the Python kernel decides), or a new tpu tensor, in place of the arguments.
+  bool finish(torch::jit::Stack* stack, c10::IValue* iv, size_t nargs, PyObject* out, c10::ScalarType stype,
+              std::vector<int64_t> shape, int device) {
     if (inplace_) {
       // As _C._set_whole: the result must be exactly the target's shape and dtype and the target must view its
       // whole storage; else the Python kernel recomputes with its checks (broadcast and cast errors).
@@ -410,6 +494,7 @@ class EagerKernel final : public c10::OperatorKernel {
   PyObject* py_kernel_;
   bool inplace_;
   std::deque<Entry> entries_;  // read and written with the GIL held
+  std::deque<RecEntry> rec_entries_;  // the same for DEFER_AND_FUSE's recorded entries
 };
 
 std::vector<EagerKernel*>& kernels() {
@@ -459,6 +544,35 @@ PyObject* py_eager_put(PyObject*, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
+// _eager_put_rec(handle, n, mask, dtype or None, key, fn): under DEFER_AND_FUSE, calls with n arguments of kinds
+// `mask` (and, in-place, a target of `dtype`) are recorded as record(device, key, fn, arrays) from now on, in C++.
+PyObject* py_eager_put_rec(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  Py_ssize_t handle;
+  int n;
+  long long mask;
+  PyObject *dtype, *key, *fn;
+  if (!PyArg_ParseTuple(args, "niLOOO", &handle, &n, &mask, &dtype, &key, &fn)) return nullptr;
+  TORCH_CHECK(handle >= 0 && handle < static_cast<Py_ssize_t>(kernels().size()),
+              "torch_tpu: internal error: eager kernel handle ", handle);
+  int st = -1;
+  if (dtype != Py_None) {
+    TORCH_CHECK(THPDtype_Check(dtype), "torch_tpu: internal error: _eager_put_rec expects a torch.dtype or None");
+    st = static_cast<int>(reinterpret_cast<THPDtype*>(dtype)->scalar_type);
+  }
+  kernels()[handle]->put_rec(n, static_cast<int64_t>(mask), st, key, fn);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// _eager_set_recorder(record or None): the executor's record(index, key, fn, args) the recorded entries call (None:
+// recorded calls take the Python kernel, as before the entries existed). Returns the previous one.
+PyObject* py_eager_set_recorder(PyObject*, PyObject* fn) {
+  PyObject* old = g_recorder != nullptr ? g_recorder : Py_NewRef(Py_None);
+  g_recorder = fn != Py_None ? Py_NewRef(fn) : nullptr;
+  return old;
+}
+
 // _eager_running() -> (op name, argument arrays) of the cache hit running on this thread, or None.
 PyObject* py_eager_running(PyObject*, PyObject*) {
   if (t_running == nullptr) Py_RETURN_NONE;
@@ -474,6 +588,8 @@ PyObject* py_eager_running(PyObject*, PyObject*) {
 PyMethodDef kDispatchMethods[] = {
     {"_eager_install", py_eager_install, METH_VARARGS, "register a lowering's PrivateUse1 kernel (C++ cache hits)"},
     {"_eager_put", py_eager_put, METH_VARARGS, "add a cache-hit entry to an eager kernel"},
+    {"_eager_put_rec", py_eager_put_rec, METH_VARARGS, "add a recorded (DEFER_AND_FUSE) entry to an eager kernel"},
+    {"_eager_set_recorder", py_eager_set_recorder, METH_O, "the executor's record function for recorded entries"},
     {"_eager_running", py_eager_running, METH_NOARGS, "(op, arrays) of the C++ cache hit running on this thread"},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -8,6 +8,7 @@
 #include "TpuRuntime.h"
 
 #include <c10/util/ThreadLocalDebugInfo.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <atomic>
 #include <memory>
@@ -419,6 +420,263 @@ PyObject* py_fuse_arg_list(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return out;
 }
 
+// ---- recording the op a graph's trace predicts (torch_tpu/_deferred.py `record`, its common case in C++) ----
+// A step whose structure repeats records each op where the previous graph of its slot recorded the same one: the
+// trace entry already holds the node's info. This does _deferred._record's work for that case only (the graph
+// exists and has nodes, the entry at this position has the same key, argument specs and signature) and returns
+// None for anything else, before changing anything the Python path would not redo (the inputs the arguments added
+// are truncated): the Python path then records the op as before.
+struct RecState {
+  PyObject *lock = nullptr, *graphs = nullptr, *truncate = nullptr, *transfer = nullptr, *recorded = nullptr;
+  PyObject *s_acquire, *s_release, *s_nodes, *s_keys, *s_entries, *s_pendings, *s_trace, *s_limit, *s_unflatten;
+};
+RecState g_rec;
+
+PyObject* py_fuse_record_state(PyObject*, PyObject* args) {
+  PyObject *lock, *graphs, *truncate, *transfer, *recorded;
+  if (!PyArg_ParseTuple(args, "OO!OOO", &lock, &PyDict_Type, &graphs, &truncate, &transfer, &recorded))
+    return nullptr;
+  for (PyObject* o : {lock, graphs, truncate, transfer, recorded}) Py_INCREF(o);
+  g_rec.recorded = recorded;
+  g_rec.lock = lock;
+  g_rec.graphs = graphs;
+  g_rec.truncate = truncate;
+  g_rec.transfer = transfer;
+  g_rec.s_acquire = PyUnicode_InternFromString("acquire");
+  g_rec.s_release = PyUnicode_InternFromString("release");
+  g_rec.s_nodes = PyUnicode_InternFromString("nodes");
+  g_rec.s_keys = PyUnicode_InternFromString("keys");
+  g_rec.s_entries = PyUnicode_InternFromString("entries");
+  g_rec.s_pendings = PyUnicode_InternFromString("pendings");
+  g_rec.s_trace = PyUnicode_InternFromString("trace");
+  g_rec.s_limit = PyUnicode_InternFromString("limit");
+  g_rec.s_unflatten = PyUnicode_InternFromString("unflatten");
+  Py_RETURN_NONE;
+}
+
+// A new reference to attribute `name` of `o` (nullptr with an error set).
+inline PyObject* attr(PyObject* o, PyObject* name) { return PyObject_GetAttr(o, name); }
+
+// The trace entry predicted at the graph's next position when it is for `fkey` (a new reference to the trace's
+// entries list in *entries, the position in *node), else false (*entries null; a Python error may be set). The
+// checks that need no argument: an op the trace does not predict leaves before its arguments are looked at.
+bool predicted_entry(PyObject* g, PyObject* fkey, PyObject** nodes, PyObject** entries, Py_ssize_t* node) {
+  *entries = nullptr;
+  *nodes = attr(g, g_rec.s_nodes);
+  if (*nodes == nullptr) return false;
+  *node = PyList_GET_SIZE(*nodes);
+  if (*node == 0) return false;  // (the first op of a graph: the Python path, which also ends direct segments)
+  PyObject* trace = attr(g, g_rec.s_trace);
+  if (trace == nullptr) return false;
+  if (trace != Py_None) *entries = attr(trace, g_rec.s_entries);
+  Py_DECREF(trace);
+  if (*entries == nullptr) return false;
+  if (PyList_Check(*entries) && *node < PyList_GET_SIZE(*entries)) {
+    PyObject* e = PyList_GET_ITEM(*entries, *node);
+    if (PyTuple_Check(e) && PyTuple_GET_SIZE(e) == 4) {
+      PyObject* theirs = PyTuple_GET_ITEM(e, 0);
+      int same = theirs == fkey ? 1 : PyObject_RichCompareBool(theirs, fkey, Py_EQ);
+      if (same == 1) return true;
+    }
+  }
+  Py_CLEAR(*entries);
+  return false;
+}
+
+PyObject* record_predicted(PyObject* g, PyObject* fkey, PyObject* fn, PyObject* args) {
+  PyObject *nodes = nullptr, *entries = nullptr;
+  Py_ssize_t node = 0;
+  if (!predicted_entry(g, fkey, &nodes, &entries, &node)) {
+    Py_XDECREF(nodes);
+    if (PyErr_Occurred()) return nullptr;
+    Py_RETURN_NONE;
+  }
+  PyObject* inputs = attr(g, g_arg.s_inputs);
+  PyObject* input_pos = inputs ? attr(g, g_arg.s_input_pos) : nullptr;
+  if (input_pos == nullptr) {
+    Py_XDECREF(inputs);
+    Py_DECREF(nodes);
+    Py_DECREF(entries);
+    return nullptr;
+  }
+  Py_ssize_t n_inputs = PyList_GET_SIZE(inputs);
+  PyObject* pair = arg_list(g, inputs, input_pos, args, true);
+  Py_DECREF(input_pos);
+  PyObject* result = nullptr;
+  bool fallback = false;
+  bool appended = false;  // the node is in the graph: its inputs stay (an error after this is as in Python's)
+  auto truncate = [&]() {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject* n = PyLong_FromSsize_t(n_inputs);
+    PyObject* r = n ? PyObject_CallFunctionObjArgs(g_rec.truncate, g, n, nullptr) : nullptr;
+    Py_XDECREF(n);
+    Py_XDECREF(r);
+    PyErr_Clear();
+    PyErr_Restore(type, value, tb);
+  };
+  do {
+    if (pair == nullptr) {
+      if (PyErr_ExceptionMatches(g_rec.transfer)) {  // another graph's value: the Python path transfers it
+        PyErr_Clear();
+        fallback = true;
+      }
+      break;
+    }
+    PyObject* specs = PyTuple_GET_ITEM(pair, 0);
+    PyObject* sig = PyTuple_GET_ITEM(pair, 1);
+    PyObject* e = PyList_GET_ITEM(entries, node);  // (fkey, specs, sig, info): its fkey matched
+    int same = 1;
+    for (int k = 1; same == 1 && k < 3; ++k) {
+      PyObject* mine = k == 1 ? specs : sig;
+      PyObject* theirs = PyTuple_GET_ITEM(e, k);
+      same = mine == theirs ? 1 : PyObject_RichCompareBool(theirs, mine, Py_EQ);
+    }
+    if (same < 0) break;
+    if (!same) {
+      fallback = true;
+      break;
+    }
+    PyObject* info = PyTuple_GET_ITEM(e, 3);  // (node id, metas, treedef, text)
+    PyObject* node_id = PyTuple_GET_ITEM(info, 0);
+    PyObject* metas = PyTuple_GET_ITEM(info, 1);
+    PyObject* treedef = PyTuple_GET_ITEM(info, 2);
+    PyObject* keys = attr(g, g_rec.s_keys);
+    PyObject* g_entries = keys ? attr(g, g_rec.s_entries) : nullptr;
+    PyObject* pendings = g_entries ? attr(g, g_rec.s_pendings) : nullptr;
+    PyObject* nd = pendings ? PyTuple_Pack(3, fn, specs, treedef) : nullptr;
+    bool ok = nd != nullptr && PyList_Append(nodes, nd) == 0 && PyList_Append(keys, node_id) == 0 &&
+              PyList_Append(g_entries, e) == 0;
+    Py_XDECREF(nd);
+    Py_XDECREF(keys);
+    Py_XDECREF(g_entries);
+    if (!ok) {
+      Py_XDECREF(pendings);
+      break;
+    }
+    appended = true;
+    PyObject* node_obj = PyLong_FromSsize_t(node);
+    Py_ssize_t n_out = treedef == Py_None ? 1 : PySequence_Size(metas);
+    PyObject* outs = node_obj && n_out >= 0 ? PyList_New(n_out) : nullptr;
+    for (Py_ssize_t j = 0; outs != nullptr && j < n_out; ++j) {
+      PyObject* meta = PySequence_GetItem(metas, j);
+      PyObject* jo = meta ? PyLong_FromSsize_t(j) : nullptr;
+      PyObject* p = jo ? PyObject_CallFunctionObjArgs(g_arg.pending, g, node_obj, jo, meta, nullptr) : nullptr;
+      Py_XDECREF(meta);
+      Py_XDECREF(jo);
+      PyObject* ref = p ? PyWeakref_NewRef(p, nullptr) : nullptr;
+      if (ref == nullptr || PyList_Append(pendings, ref) < 0) {
+        Py_XDECREF(ref);
+        Py_XDECREF(p);
+        Py_CLEAR(outs);
+        break;
+      }
+      Py_DECREF(ref);
+      PyList_SET_ITEM(outs, j, p);
+    }
+    Py_XDECREF(node_obj);
+    Py_DECREF(pendings);
+    if (outs == nullptr) break;  // (the node is appended: an error here is as one in Python's _record after it)
+    PyObject* value;
+    if (treedef == Py_None) {
+      value = PyList_GET_ITEM(outs, 0);
+      Py_INCREF(value);
+    } else {
+      value = PyObject_CallMethodOneArg(treedef, g_rec.s_unflatten, outs);
+    }
+    Py_DECREF(outs);
+    if (value == nullptr) break;
+    PyObject* limit = attr(g, g_rec.s_limit);
+    long long lim = limit ? PyLong_AsLongLong(limit) : -1;
+    Py_XDECREF(limit);
+    if (lim == -1 && PyErr_Occurred()) {
+      Py_DECREF(value);
+      break;
+    }
+    result = Py_BuildValue("(NO)", value, node + 1 >= lim ? g : Py_None);
+  } while (false);
+  if (result == nullptr && !appended && (fallback || PyErr_Occurred())) truncate();
+  Py_XDECREF(pair);
+  Py_DECREF(nodes);
+  Py_DECREF(entries);
+  Py_DECREF(inputs);
+  if (result == nullptr && fallback) Py_RETURN_NONE;
+  return result;
+}
+
+// _fuse_record(index, fkey, fn, args) -> (result, graph to flush or None), or None: _deferred._record for the op the
+// graph's trace predicts, under _deferred._lock (taken without blocking: None when another thread holds it).
+PyObject* py_fuse_record(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4 || g_rec.lock == nullptr || g_arg.pending == nullptr) {
+    PyErr_SetString(PyExc_TypeError, "torch_tpu: internal error: _fuse_record(index, fkey, fn, args)");
+    return nullptr;
+  }
+  const Caller* c = inherited();
+  if (c == nullptr) publish();
+  int64_t owner = c ? c->id : t_self->id;
+  PyObject* got = PyObject_CallMethodOneArg(g_rec.lock, g_rec.s_acquire, Py_False);
+  if (got == nullptr) return nullptr;
+  bool locked = got == Py_True;
+  Py_DECREF(got);
+  if (!locked) Py_RETURN_NONE;
+  PyObject* key = Py_BuildValue("(LO)", static_cast<long long>(owner), args[0]);
+  PyObject* g = key ? PyDict_GetItemWithError(g_rec.graphs, key) : nullptr;  // borrowed
+  Py_XDECREF(key);
+  PyObject* out;
+  if (g == nullptr) {
+    out = PyErr_Occurred() ? nullptr : Py_NewRef(Py_None);
+  } else {
+    Py_INCREF(g);
+    out = record_predicted(g, args[1], args[2], args[3]);
+    Py_DECREF(g);
+  }
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  PyObject* r = PyObject_CallMethodNoArgs(g_rec.lock, g_rec.s_release);
+  if (r == nullptr) {
+    Py_XDECREF(out);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    return nullptr;
+  }
+  Py_DECREF(r);
+  PyErr_Restore(type, value, tb);
+  return out;
+}
+
+thread_local int t_task_seen = -1;  // the autograd graph task whose end fuse_record_hit last had queued
+
+}  // namespace
+
+PyObject* fuse_record_hit(PyObject* const* args) {
+  PyObject* pair = py_fuse_record(nullptr, args, 4);
+  if (pair == nullptr) return nullptr;
+  if (pair == Py_None) {
+    Py_DECREF(pair);
+    return nullptr;
+  }
+  PyObject* value = PyTuple_GET_ITEM(pair, 0);
+  PyObject* full = PyTuple_GET_ITEM(pair, 1);
+  // As _deferred.record after _record: a full graph runs; a backward pass's end runs this thread's graphs (its
+  // callback queued once per graph task: this thread's last task is remembered, _recorded checks its own set).
+  int task = torch::autograd::get_current_graph_task_id();
+  if (full != Py_None || (task >= 0 && task != t_task_seen)) {
+    PyObject* r = PyObject_CallOneArg(g_rec.recorded, full);
+    if (r == nullptr) {
+      Py_DECREF(pair);
+      return nullptr;
+    }
+    Py_DECREF(r);
+    t_task_seen = task;
+  }
+  Py_INCREF(value);
+  Py_DECREF(pair);
+  return value;
+}
+
+namespace {
+
 PyMethodDef kModeMethods[] = {
     {"_mode", py_mode, METH_NOARGS, "the calling thread's effective execution mode (an EagerMode value)"},
     {"_recording", py_recording, METH_NOARGS, "True when tpu ops on this thread are recorded (DEFER_AND_FUSE)"},
@@ -438,6 +696,10 @@ PyMethodDef kModeMethods[] = {
     {"_fuse_direct", py_fuse_direct, METH_NOARGS, "True while this thread dispatches one-op segments directly"},
     {"_fuse_arg_types", py_fuse_arg_types, METH_VARARGS,
      "(Pending, array type set, _arg, _input): the recorder's types for _fuse_arg_list"},
+    {"_fuse_record_state", py_fuse_record_state, METH_VARARGS,
+     "(lock, graphs, truncate, Transfer): the recorder's state for _fuse_record"},
+    {"_fuse_record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_fuse_record)), METH_FASTCALL,
+     "(index, fkey, fn, args) -> (result, graph to flush or None), or None: the predicted op recorded"},
     {"_fuse_arg_list", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_fuse_arg_list)), METH_FASTCALL,
      "(graph, list[, top]) -> ((\"l\", specs), sigs); with top (specs, sigs): recorded arguments"},
     {nullptr, nullptr, 0, nullptr}};

@@ -103,6 +103,9 @@ int current_mode();
 // cache hit instead of recording it; the cache hit then reports the op it ran with direct_ran(its result).
 bool direct_dispatch();
 void direct_ran(const void* result);
+// _deferred.record(index, key, fn, args) for the op the graph's trace predicts (args: those four), in C++: the
+// placeholder (a new reference); nullptr with no Python error when the op must take the Python `record`.
+PyObject* fuse_record_hit(PyObject* const* args);
 
 // ---- the eager dispatch path of cache hits (TpuDispatch.cpp) ----
 PyMethodDef* dispatch_methods();

@@ -223,3 +223,94 @@ def test_a_list_argument_is_recorded_as_the_python_loop_did() -> None:
     with pytest.raises(_deferred._Transfer) as info:
         _deferred._arg_list(g, [a, foreign])
     assert info.value.pending is foreign
+
+
+def test_repeated_ops_are_recorded_by_the_cpp_kernel(monkeypatch) -> None:
+    """Under DEFER_AND_FUSE a call shaped like an earlier one (a functional or in-place op over whole tpu tensors
+    and Python numbers) is recorded by the op's C++ kernel (runtime/TpuDispatch.cpp, its recorded entry): the
+    Python kernel is not entered, the op is recorded (nothing runs before the read), and values match CPU."""
+    from torch_tpu import _eager
+
+    slow: list[str] = []
+    bind, fast_args = _eager.OpKernel.bind, _eager._fast_args
+
+    def counting_bind(self, args, kwargs):
+        slow.append(self.name)
+        return bind(self, args, kwargs)
+
+    def counting_fast_args(args):
+        slow.append("_fast_args")
+        return fast_args(args)
+
+    def count(on: bool) -> None:
+        monkeypatch.setattr(_eager.OpKernel, "bind", counting_bind if on else bind)
+        monkeypatch.setattr(_eager, "_fast_args", counting_fast_args if on else fast_args)
+
+    ac, bc, wc, biasc = torch.randn(4, 3), torch.randn(4, 3), torch.randn(3, 5), torch.randn(5)
+    a, b, w, bias = ac.to("tpu"), bc.to("tpu"), wc.to("tpu"), biasc.to("tpu")
+
+    def step(a, b, w, bias):
+        y = torch.addmm(bias, (a * 1.5 + b).exp(), w)
+        z = torch.sub(y, 1, alpha=2).relu()
+        z.mul_(0.5).add_(y)  # in-place, on a placeholder
+        return z / (y.abs() + 1)
+
+    want = step(ac, bc, wc, biasc)
+    with torch.tpu.set_eager_mode(FUSE):
+        for _ in range(2):  # the first call installs the entries, the second is predicted by the first's trace
+            step(a, b, w, bias).cpu()
+        count(True)
+        before = torch.tpu.metrics()
+        r = step(a, b, w, bias)
+        recorded = torch.tpu.metrics()
+        count(False)
+        assert slow == [], slow
+        assert recorded.fused_graph_runs == before.fused_graph_runs  # recorded, not run
+        torch.testing.assert_close(r.cpu(), want)
+        after = torch.tpu.metrics()
+        assert after.fused_graph_runs == before.fused_graph_runs + 1
+        assert after.fused_ops - before.fused_ops >= 11  # every op of the step is in the one graph
+
+
+def _train_mlp(steps: int) -> tuple[list[torch.Tensor], dict]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
+                                torch.nn.Linear(32, 4)).to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(8, 16).to("tpu"), torch.randint(0, 4, (8,)).to("tpu")
+    losses = []
+    with torch.tpu.set_eager_mode(FUSE):
+        for i in range(steps):
+            if i == 2:
+                torch.tpu.synchronize()
+                before = torch.tpu.metrics()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        torch.tpu.synchronize()
+        after = torch.tpu.metrics()
+        losses = [t.cpu() for t in losses]
+    counts = {"runs": after.fused_graph_runs - before.fused_graph_runs,
+              "ops": after.fused_ops - before.fused_ops,
+              "flushes": {k: v - before.flushes.get(k, 0) for k, v in after.flushes.items()}}
+    return losses, counts
+
+
+def test_the_cpp_recorder_records_what_the_python_kernel_did() -> None:
+    """A training step recorded with the C++ kernels' recorded entries (and their C++ recording of the op the
+    trace predicts) against the same step recorded through the Python kernels: the same losses bit for bit, the
+    same number of graphs, ops and flushes by reason (a backward pass's end and the optimizer step's end run the
+    graphs in both)."""
+    from torch_tpu import _C
+
+    python = _C._eager_set_recorder(None)  # recorded calls take the Python kernel
+    try:
+        want, want_counts = _train_mlp(6)
+    finally:
+        _C._eager_set_recorder(python)
+    got, counts = _train_mlp(6)
+    assert all(torch.equal(g, w) for g, w in zip(got, want)), (got, want)
+    assert counts == want_counts
+    assert counts["flushes"].get("backward_end", 0) >= 4 and counts["flushes"].get("optimizer_step", 0) >= 4, counts

@@ -463,6 +463,9 @@ _arg_list = _C._fuse_arg_list
 _C._fuse_arg_types(Pending, _ARRAY_TYPES, _arg, _input)
 
 
+_fast_record = _C._fuse_record  # _record for the op the graph's trace predicts (None: record it below)
+
+
 def _abstract(spec: Any, sig: Any, inputs: list[Any]) -> Any:
     if spec is None:
         return None
@@ -480,6 +483,10 @@ def _abstract(spec: Any, sig: Any, inputs: list[Any]) -> Any:
 def record(index: int, fkey: Any, fn: Callable[..., Any], args: tuple | list) -> Any:
     """Appends `fn(*args)` to the pending graph this thread records into on tpu:`index`; returns placeholders
     shaped like its result."""
+    fast = _fast_record(index, fkey, fn, args)
+    if fast is not None:
+        _recorded(fast[1])
+        return fast[0]
     while True:
         try:
             with _lock:
@@ -487,12 +494,18 @@ def record(index: int, fkey: Any, fn: Callable[..., Any], args: tuple | list) ->
         except _Transfer as t:
             t.pending.concrete("transfer")
             continue
-        if full is not None:
-            flush(full, "size_limit")
-        task = _task_id()
-        if task >= 0 and task not in _ending:
-            _run_at_backward_end(task)
+        _recorded(full)
         return result
+
+
+def _recorded(full: "_Graph | None") -> None:
+    """After an op is recorded: runs the graph it filled (`full`), and queues the run of this thread's graphs at
+    the end of the backward pass recording it (once per autograd graph task)."""
+    if full is not None:
+        flush(full, "size_limit")
+    task = _task_id()
+    if task >= 0 and task not in _ending:
+        _run_at_backward_end(task)
 
 
 # ---- the ends of a backward pass and of an optimizer step ----
@@ -701,6 +714,9 @@ def _truncate_inputs(g: _Graph, n: int) -> None:
     for a in g.inputs[n:]:
         g.input_pos.pop(id(a), None)
     del g.inputs[n:]
+
+
+_C._fuse_record_state(_lock, _graphs, _truncate_inputs, _Transfer, _recorded)
 
 
 def _replay(nodes: list[tuple[Callable[..., Any], tuple, Any]], outs: tuple[tuple[int, int], ...],

@@ -292,7 +292,7 @@ class OpKernel(Signature):
                 return None
             if isinstance(out, (tuple, list)) or (inplace_dtype is not None and not _set_whole(args[0], out)):
                 return None
-            self._fast_rec[key] = entry
+            self._put_rec(key, entry)
             self._install_fast(n, fast[1], vals, inplace_dtype)  # DEFER_AND_FUSE runs one-op segments through it
             return out
         if key in self._fast:
@@ -336,7 +336,7 @@ class OpKernel(Signature):
         if key in table:
             return
         if recorded:
-            self._fast_rec[key] = self._recorded_entry(key, vals, inplace_dtype)
+            self._put_rec(key, self._recorded_entry(key, vals, inplace_dtype))
         else:
             self._put_fast(key, self._make_fast(n, vals, inplace_dtype))
 
@@ -392,6 +392,12 @@ class OpKernel(Signature):
         handle = self._eager_handles.get(key[2] is not None)
         if handle is not None:  # the C++ kernel's table (runtime/TpuDispatch.cpp)
             _C._eager_put(handle, key[0], key[1], key[2], fn)
+
+    def _put_rec(self, key: tuple[int, int, torch.dtype | None], entry: tuple[Any, Callable[..., Any]]) -> None:
+        self._fast_rec[key] = entry
+        handle = self._eager_handles.get(key[2] is not None)
+        if handle is not None:  # the C++ kernel records such calls itself (runtime/TpuDispatch.cpp)
+            _C._eager_put_rec(handle, key[0], key[1], key[2], entry[0], entry[1])
 
     def inplace(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
@@ -489,6 +495,7 @@ def install() -> None:
     if _LIB is not None:
         return
     lib = torch.library.Library("aten", "IMPL")
+    _C._eager_set_recorder(_executor.record)  # the C++ kernels' recorded entries (OpKernel._put_rec) record through it
     for code in (OpKernel.functional, OpKernel.inplace, OpKernel.out):
         _metrics.register_kernel_code(code.__code__)
 
