@@ -427,17 +427,20 @@ PyObject* py_fuse_arg_list(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // None for anything else, before changing anything the Python path would not redo (the inputs the arguments added
 // are truncated): the Python path then records the op as before.
 struct RecState {
-  PyObject *lock = nullptr, *graphs = nullptr, *truncate = nullptr, *transfer = nullptr, *recorded = nullptr;
+  PyObject *lock = nullptr, *graphs = nullptr, *truncate = nullptr, *transfer = nullptr, *recorded = nullptr,
+           *task_started = nullptr;
   PyObject *s_acquire, *s_release, *s_nodes, *s_keys, *s_entries, *s_pendings, *s_trace, *s_limit, *s_unflatten;
 };
 RecState g_rec;
 
 PyObject* py_fuse_record_state(PyObject*, PyObject* args) {
-  PyObject *lock, *graphs, *truncate, *transfer, *recorded;
-  if (!PyArg_ParseTuple(args, "OO!OOO", &lock, &PyDict_Type, &graphs, &truncate, &transfer, &recorded))
+  PyObject *lock, *graphs, *truncate, *transfer, *recorded, *task_started;
+  if (!PyArg_ParseTuple(args, "OO!OOOO", &lock, &PyDict_Type, &graphs, &truncate, &transfer, &recorded,
+                        &task_started))
     return nullptr;
-  for (PyObject* o : {lock, graphs, truncate, transfer, recorded}) Py_INCREF(o);
+  for (PyObject* o : {lock, graphs, truncate, transfer, recorded, task_started}) Py_INCREF(o);
   g_rec.recorded = recorded;
+  g_rec.task_started = task_started;
   g_rec.lock = lock;
   g_rec.graphs = graphs;
   g_rec.truncate = truncate;
@@ -645,11 +648,23 @@ PyObject* py_fuse_record(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return out;
 }
 
-thread_local int t_task_seen = -1;  // the autograd graph task whose end fuse_record_hit last had queued
+thread_local int t_task_seen = -1;  // the autograd graph task fuse_record_hit last told _task_started of
 
 }  // namespace
 
 PyObject* fuse_record_hit(PyObject* const* args) {
+  if (g_rec.task_started == nullptr) return nullptr;
+  // As _deferred.record: the first op a backward pass records starts it (_task_started runs the forward pass's
+  // graphs); this thread's last task is remembered, _task_started checks its own set.
+  int task = torch::autograd::get_current_graph_task_id();
+  if (task >= 0 && task != t_task_seen) {
+    PyObject* t = PyLong_FromLong(task);
+    PyObject* r = t ? PyObject_CallOneArg(g_rec.task_started, t) : nullptr;
+    Py_XDECREF(t);
+    if (r == nullptr) return nullptr;
+    Py_DECREF(r);
+    t_task_seen = task;
+  }
   PyObject* pair = py_fuse_record(nullptr, args, 4);
   if (pair == nullptr) return nullptr;
   if (pair == Py_None) {
@@ -658,17 +673,13 @@ PyObject* fuse_record_hit(PyObject* const* args) {
   }
   PyObject* value = PyTuple_GET_ITEM(pair, 0);
   PyObject* full = PyTuple_GET_ITEM(pair, 1);
-  // As _deferred.record after _record: a full graph runs; a backward pass's end runs this thread's graphs (its
-  // callback queued once per graph task: this thread's last task is remembered, _recorded checks its own set).
-  int task = torch::autograd::get_current_graph_task_id();
-  if (full != Py_None || (task >= 0 && task != t_task_seen)) {
+  if (full != Py_None) {  // (a graph at its size limit runs)
     PyObject* r = PyObject_CallOneArg(g_rec.recorded, full);
     if (r == nullptr) {
       Py_DECREF(pair);
       return nullptr;
     }
     Py_DECREF(r);
-    t_task_seen = task;
   }
   Py_INCREF(value);
   Py_DECREF(pair);

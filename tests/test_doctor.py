@@ -112,10 +112,11 @@ def test_shape_change_under_defer_and_fuse_is_a_recompiled_graph(tmp_path: Path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert r["script"]["eager_mode"] == "DEFER_AND_FUSE"
     rec = _findings(r, "recompilation")
-    # x is made on the device inside the graph, so the graph's inputs keep their shapes: the graph is reported
-    # where it ran, as the backward pass ended (the forward and backward passes' graph; the update's keeps its shapes)
+    # x is made on the device inside the graph, so the graph's inputs keep their shapes: the graphs are reported
+    # where they ran, in the backward pass (the forward pass's graph as it starts, each step a new shape, and the
+    # backward pass's as it ends; the update's keeps its shapes)
     assert len(rec) == 1 and rec[0]["site"] == f"{script}:8 (backward)", rec
-    assert "DEFER_AND_FUSE graph" in rec[0]["title"] and "3 later step(s)" in rec[0]["title"]
+    assert "DEFER_AND_FUSE graph" in rec[0]["title"] and "4 later step(s)" in rec[0]["title"]
     assert r["coverage"]["fused_graph_runs"] >= 5
     assert sum(r["coverage"]["outside_fused_or_compiled"].values()) < sum(r["coverage"]["tpu_ops"].values())
 

@@ -182,14 +182,16 @@ def test_backward_and_optimizer_step_ends_run_the_recorded_graph_without_waiting
             loss.backward()
             assert _deferred.thread_graph(0) is None, "the backward pass ended: its graph runs"
             flushes = torch.tpu.metrics().flushes
-            assert (flushes["backward_end"], flushes.get("optimizer_step", 0)) == (step, step - 1), flushes
+            assert (flushes["backward_start"], flushes["backward_end"], flushes.get("optimizer_step", 0)) == \
+                (step, step, step - 1), flushes  # (the forward pass ran as the backward pass started)
             opts[1].step()
             assert _deferred.thread_graph(0) is None, "the optimizer step ended: its graph runs"
             got.append(loss.item())
         grad = torch.autograd.grad(model(x.tpu()).sum(), model[0].weight)[0]  # autograd.grad ends the same way
         assert _deferred.thread_graph(0) is None
         flushes = torch.tpu.metrics().flushes
-        assert flushes == {"backward_end": 4, "optimizer_step": 3}, "loss.item() read values already dispatched"
+        assert flushes == {"backward_start": 4, "backward_end": 4, "optimizer_step": 3}, \
+            "loss.item() read values already dispatched"
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     for p, q in zip(cpu.parameters(), model.parameters()):
         torch.testing.assert_close(q.cpu(), p, rtol=1e-4, atol=1e-5)
@@ -318,10 +320,10 @@ def test_examples_train_the_same_fused(name: str) -> None:
     torch.tpu.reset_metrics()
     fused, m2 = run("DEFER_AND_FUSE")
     metrics = torch.tpu.metrics()
-    # Two flushes per step, as its backward pass and its optimizer step end (loss.item() reads a value the first
-    # computed), each a cached graph after the first steps.
-    assert metrics.flushes == {"backward_end": 10, "optimizer_step": 10}, metrics.flushes
-    assert metrics.fused_graph_compiles <= 3  # forward+backward, the first update (it makes the state), the next
+    # Three flushes per step, as its backward pass starts and ends and as its optimizer step ends (loss.item() reads
+    # a value the first computed), each a cached graph after the first steps.
+    assert metrics.flushes == {"backward_start": 10, "backward_end": 10, "optimizer_step": 10}, metrics.flushes
+    assert metrics.fused_graph_compiles <= 4  # forward, backward, the first update (it makes the state), the next
     # The same ops, fused: XLA may order a fused reduction differently (convolutions with batch norm feel it
     # most, ~1e-5 per step here), so losses agree to 1e-5 (1e-4 for the conv net) and every parameter and
     # buffer to 1e-3 absolute (a tenth of a learning-rate step) after 10 steps.

@@ -100,17 +100,18 @@ def test_fused_mode_records_the_op_without_a_flush() -> None:
         assert m.flushes == {"to_cpu": 1} and m.fused_ops == 3, (m.flushes, m.fused_ops)
     ref = torch.nn.functional.gelu(x.cpu() * 3, approximate="tanh") + 1
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
-    # the backward (the tpu_jax::<name>_vjp op) is recorded too: forward and backward run as one program, as the
-    # backward pass ends (then .cpu() finds nothing pending)
+    # the backward (the tpu_jax::<name>_vjp op) is recorded too: the forward runs as the backward pass starts, the
+    # backward as it ends (then .cpu() finds nothing pending)
     xg = x.clone().requires_grad_()
     torch.tpu.synchronize()
     torch.tpu.reset_metrics()
     with torch.tpu.set_eager_mode(EagerMode.DEFER_AND_FUSE):
         gelu(xg * 3).sum().backward()
         m = torch.tpu.metrics()
-        assert m.flushes == {"backward_end": 1} and m.fused_graph_runs == 1, (m.flushes, m.fused_graph_runs)
+        assert m.flushes == {"backward_start": 1, "backward_end": 1} and m.fused_graph_runs == 2, \
+            (m.flushes, m.fused_graph_runs)
         grad = xg.grad.cpu()
-        assert torch.tpu.metrics().flushes == {"backward_end": 1}
+        assert torch.tpu.metrics().flushes == {"backward_start": 1, "backward_end": 1}
     xc = x.cpu().requires_grad_()
     torch.nn.functional.gelu(xc * 3, approximate="tanh").sum().backward()
     torch.testing.assert_close(grad, xc.grad, rtol=1e-5, atol=1e-5)

@@ -139,10 +139,10 @@ def test_backward_runs_in_the_mode_of_the_thread_that_called_it() -> None:
         print("flushes", in_worker["flushes"], in_main["flushes"])
     """)
     in_worker, in_main = eval(out.split("flushes", 1)[1].replace("} {", "}, {"))
-    # Forward and backward run as one program when the backward pass ends, the worker's graph (a backward that ran
-    # apart would have flushed the forward for "transfer" or "value_needed"), as when the main thread fuses.
-    assert in_worker == in_main and in_worker["backward_end"] == 1, (in_worker, in_main)
-    assert set(in_worker) <= {"backward_end", "item", "to_cpu"}, in_worker
+    # The forward runs as the backward pass starts and the backward as it ends, both the worker's graphs (a backward
+    # that ran apart would have flushed the forward for "transfer" or "value_needed"), as when the main thread fuses.
+    assert in_worker == in_main and in_worker["backward_start"] == in_worker["backward_end"] == 1, (in_worker, in_main)
+    assert set(in_worker) <= {"backward_start", "backward_end", "item", "to_cpu"}, in_worker
 
 
 def test_value_pending_in_one_thread_read_by_another() -> None:

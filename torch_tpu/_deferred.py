@@ -12,7 +12,8 @@ placeholder for its array on first read, through `resolve` (the placeholder cont
 A graph is flushed when a value is needed: `.cpu()`, `.item()`, printing, `torch.tpu.synchronize()`, an op
 with data-dependent shapes or any kernel not written for deferral (they run eagerly after the flush), a mode
 change, a tensor moving to another device, and a size limit (TORCH_TPU_FUSE_MAX_OPS, default 1000 ops). It is
-also run, without waiting for it, when a backward pass or an optimizer step ends (see _run_at_backward_end).
+also run, without waiting for it, when a backward pass starts or ends and when an optimizer step ends (see
+_task_started).
 The graph's cache key is structural: per op its callable's id, where its inputs come from, and their
 shapes/dtypes; Python scalars are inputs, so new values do not recompile.
 
@@ -483,9 +484,13 @@ def _abstract(spec: Any, sig: Any, inputs: list[Any]) -> Any:
 def record(index: int, fkey: Any, fn: Callable[..., Any], args: tuple | list) -> Any:
     """Appends `fn(*args)` to the pending graph this thread records into on tpu:`index`; returns placeholders
     shaped like its result."""
+    task = _task_id()
+    if task >= 0 and task not in _ending:
+        _task_started(task)
     fast = _fast_record(index, fkey, fn, args)
     if fast is not None:
-        _recorded(fast[1])
+        if fast[1] is not None:
+            _recorded(fast[1])
         return fast[0]
     while True:
         try:
@@ -494,40 +499,45 @@ def record(index: int, fkey: Any, fn: Callable[..., Any], args: tuple | list) ->
         except _Transfer as t:
             t.pending.concrete("transfer")
             continue
-        _recorded(full)
+        if full is not None:
+            _recorded(full)
         return result
 
 
-def _recorded(full: "_Graph | None") -> None:
-    """After an op is recorded: runs the graph it filled (`full`), and queues the run of this thread's graphs at
-    the end of the backward pass recording it (once per autograd graph task)."""
-    if full is not None:
-        flush(full, "size_limit")
-    task = _task_id()
-    if task >= 0 and task not in _ending:
-        _run_at_backward_end(task)
+def _recorded(full: "_Graph") -> None:
+    """After an op is recorded into a graph that reached its size limit: runs it."""
+    flush(full, "size_limit")
 
 
-# ---- the ends of a backward pass and of an optimizer step ----
+# ---- the start and end of a backward pass, the end of an optimizer step ----
 # A training step records its forward pass, backward pass and optimizer update, and only then reads a value
-# (`loss.item()`): the device waited for the last op to be recorded before any of the step ran. So when a backward
-# pass that recorded tpu ops ends, and when an optimizer step ends under DEFER_AND_FUSE, the graphs of the thread
-# that called it are run (dispatched, not waited for): the device computes the forward and backward passes while
-# the host records the update, and the update while the host records the next forward pass; the next read waits
-# only for what it reads. A step is then two programs, forward+backward and the update, each with one structure
-# from the first step on (the whole step as one program had two: the first update creates the optimizer's state).
-# Neither is a synchronization (the host does not wait): metrics count them as "backward_end" and
+# (`loss.item()`): the device waited for the last op to be recorded before any of the step ran. So under
+# DEFER_AND_FUSE, when a backward pass is about to record its first tpu op, when it ends, and when an optimizer step
+# ends, the graphs of the thread that called it are run (dispatched, not waited for): the device computes the
+# forward pass while the host records the backward pass, the backward pass while the host records the update, and
+# the update while the host records the next forward pass; the next read waits only for what it reads. A step is
+# then three programs, each with one structure from the first step on (the first update has its own: it creates
+# the optimizer's state). Run at the backward pass's end only, the forward and backward passes were one program
+# that started after the host had recorded both: on the issue-12 Llama step (HF, tiny), 19 ms of recording before
+# a 28 ms program; started at the backward pass's start, the step took 10-12% less (tools/bench host --rows hf).
+# None is a synchronization (the host does not wait): metrics count them as "backward_start", "backward_end" and
 # "optimizer_step" flushes. Graphs being captured (torch.tpu.graph) are left alone.
 _task_id = torch._C._current_graph_task_id  # the autograd graph task this thread runs a node of, or -1
 _ending: set[int] = set()  # graph tasks whose end is queued
 
 
-def _run_at_backward_end(task: int) -> None:
+def _task_started(task: int) -> None:
+    """Before the first op a backward pass (autograd graph task `task`) records: the graphs of the thread it records
+    for run now (dispatched, not waited for), so the device computes the forward pass while the host records the
+    backward pass, and their run is queued for the pass's end. (Called again for a task already started: nothing.)"""
+    if task in _ending:
+        return
     if len(_ending) > 1024:  # tasks that raised never ran their callback
         _ending.clear()
     _ending.add(task)
-    torch.autograd.Variable._execution_engine.queue_callback(
-        functools.partial(_backward_ended, task, _C._graph_owner()))
+    owner = _C._graph_owner()
+    torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_backward_ended, task, owner))
+    _run_graphs_of(owner, "backward_start")
 
 
 def _backward_ended(task: int, owner: int) -> None:
@@ -716,7 +726,7 @@ def _truncate_inputs(g: _Graph, n: int) -> None:
     del g.inputs[n:]
 
 
-_C._fuse_record_state(_lock, _graphs, _truncate_inputs, _Transfer, _recorded)
+_C._fuse_record_state(_lock, _graphs, _truncate_inputs, _Transfer, _recorded, _task_started)
 
 
 def _replay(nodes: list[tuple[Callable[..., Any], tuple, Any]], outs: tuple[tuple[int, int], ...],

@@ -37,6 +37,8 @@ def skip_kernels() -> None:
     strategy = eval_frame._FrameExecStrategy(skip, skip)
     entries = [_eager.OpKernel.functional, _eager.OpKernel.inplace, _eager.OpKernel.out, _foreach.ForeachKernel.__call__,
                _runtime.start, device_module._synchronize, _storage.resize_array, _deferred._backward_ended,
+               # (called by the C++ kernels: runtime/TpuDispatch.cpp's recorded entries, TpuMode.cpp's recorder)
+               _deferred.record, _deferred._recorded, _deferred._task_started,
                *registry.DIRECT.values()]
     try:  # kernels installed through DEFER_AND_FUSE's boundary wrapper: C++ calls the wrapper (one code object)
         entries.append(_executor.boundary(lambda: None, "dynamo"))

@@ -105,7 +105,7 @@ def tick(reason: str = "") -> None:
 
 # Flushes the host does not wait for (torch_tpu/_deferred.py runs the graphs as a backward pass or an optimizer
 # step ends): not a step's end, nor a synchronization for the doctor.
-_NOT_SYNCS = frozenset(("backward_end", "optimizer_step"))
+_NOT_SYNCS = frozenset(("backward_start", "backward_end", "optimizer_step"))
 
 
 def flush(reason: str, n_ops: int, n_outputs: int, replayed: bool = False) -> None:
