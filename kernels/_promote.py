@@ -27,6 +27,20 @@ def _device_mismatch(op: str, a: torch.device, b: torch.device) -> RuntimeError:
 
 # ---- promotion, broadcasting, casts ----
 
+# Promotion proxies are meta tensors made while a lowering is traced, which may happen inside a user's
+# TorchDispatchMode (a fused graph compiled while torch.utils.checkpoint recomputes a region under its caching mode):
+# the mode must not see them (it raised "aten.empty.memory_format encountered during backward but not found in
+# storage" in TorchTitan's selective activation checkpointing under DEFER_AND_FUSE). Excluding the Python dispatch keys
+# makes them plain meta tensors.
+_NO_PYTHON_DISPATCH = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | \
+    torch._C.DispatchKeySet(torch._C.DispatchKey.PythonTLSSnapshot)
+
+
+def _meta_proxy(ndim: int, dtype: Any) -> torch.Tensor:
+    with torch._C._ExcludeDispatchKeyGuard(_NO_PYTHON_DISPATCH):
+        return torch.empty((1,) * ndim, dtype=_runtime.torch_dtype(dtype), device="meta")
+
+
 def _promote(operands: list, static: tuple, idx: tuple, kind: Any) -> tuple[Any, Any]:
     """PyTorch's elementwise type promotion, computed at trace time from avals (never on a cache hit)."""
     proxies = []
@@ -35,7 +49,7 @@ def _promote(operands: list, static: tuple, idx: tuple, kind: Any) -> tuple[Any,
         if isinstance(scalar_type, type) and scalar_type in (bool, int, float, complex):
             proxies.append(scalar_type(0))
         else:
-            proxies.append(torch.empty((1,) * x.ndim, dtype=_runtime.torch_dtype(x.dtype), device="meta"))
+            proxies.append(_meta_proxy(x.ndim, x.dtype))
     compute, result = elementwise_dtypes(*proxies, type_promotion_kind=kind)
     return _runtime.jax_dtype(compute), _runtime.jax_dtype(result)
 
@@ -61,7 +75,7 @@ def _check_broadcast(op: str, operands: list) -> None:
 
 def result_dtype(*arrays: Any, kind: Any = DEFAULT) -> Any:
     """PyTorch's promoted dtype of several arrays (all treated as dimensioned tensors), as a JAX dtype."""
-    proxies = [torch.empty((1,) * max(a.ndim, 1), dtype=_runtime.torch_dtype(a.dtype), device="meta") for a in arrays]
+    proxies = [_meta_proxy(max(a.ndim, 1), a.dtype) for a in arrays]
     return _runtime.jax_dtype(elementwise_dtypes(*proxies, type_promotion_kind=kind)[1])
 
 

@@ -315,3 +315,26 @@ def test_the_cpp_recorder_records_what_the_python_kernel_did() -> None:
     assert counts == want_counts
     assert all(counts["flushes"].get(r, 0) >= 4 for r in ("backward_start", "backward_end", "optimizer_step")), counts
 
+
+def test_a_graph_compiled_inside_a_dispatch_mode_is_not_seen_by_it() -> None:
+    """A pending graph may be compiled while a user's TorchDispatchMode is active (torch.utils.checkpoint recomputes
+    a region under its caching mode, and a compiled region there reads a pending value). Tracing the lowerings makes
+    meta tensors for PyTorch's type promotion; the mode must not see them (TorchTitan's selective activation
+    checkpointing raised "aten.empty.memory_format encountered during backward but not found in storage")."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[str] = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    xc = torch.randn(3, 7, 11)
+    ic = torch.randint(-5, 5, (3, 7, 11), dtype=torch.int32)
+    with torch.tpu.set_eager_mode(FUSE):
+        y = (xc.to("tpu") * 0.5 + ic.to("tpu")).exp() - ic.to("tpu")  # int32 and float32: promotion when traced
+        with Watch():
+            torch.tpu.synchronize()  # the graph compiles and runs here, inside the mode
+        assert seen == [], seen
+        torch.testing.assert_close(y.cpu(), (xc * 0.5 + ic).exp() - ic)
