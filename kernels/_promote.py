@@ -11,7 +11,7 @@ import torch
 from torch._prims_common import elementwise_dtypes
 from torch._prims_common.wrappers import _maybe_resize_out
 
-from torch_tpu import _C, _runtime, _storage
+from torch_tpu import _C, _checks, _runtime, _storage
 from torch_tpu._jax import jnp
 from torch_tpu.kernels.registry import DEFAULT
 
@@ -27,17 +27,10 @@ def _device_mismatch(op: str, a: torch.device, b: torch.device) -> RuntimeError:
 
 # ---- promotion, broadcasting, casts ----
 
-# Promotion proxies are meta tensors made while a lowering is traced, which may happen inside a user's
-# TorchDispatchMode (a fused graph compiled while torch.utils.checkpoint recomputes a region under its caching mode):
-# the mode must not see them (it raised "aten.empty.memory_format encountered during backward but not found in
-# storage" in TorchTitan's selective activation checkpointing under DEFER_AND_FUSE). Excluding the Python dispatch keys
-# makes them plain meta tensors.
-_NO_PYTHON_DISPATCH = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | \
-    torch._C.DispatchKeySet(torch._C.DispatchKey.PythonTLSSnapshot)
-
-
 def _meta_proxy(ndim: int, dtype: Any) -> torch.Tensor:
-    with torch._C._ExcludeDispatchKeyGuard(_NO_PYTHON_DISPATCH):
+    """A promotion proxy, made while a lowering is traced: no user dispatch mode may see it (see _checks.collecting,
+    inside which every executor traces; this holds for a caller outside it too)."""
+    with _checks.outside_python_dispatch():
         return torch.empty((1,) * ndim, dtype=_runtime.torch_dtype(dtype), device="meta")
 
 

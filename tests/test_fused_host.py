@@ -334,7 +334,8 @@ def test_a_graph_compiled_inside_a_dispatch_mode_is_not_seen_by_it() -> None:
     ic = torch.randint(-5, 5, (3, 7, 11), dtype=torch.int32)
     with torch.tpu.set_eager_mode(FUSE):
         y = (xc.to("tpu") * 0.5 + ic.to("tpu")).exp() - ic.to("tpu")  # int32 and float32: promotion when traced
+        y.mul_(ic.to("tpu"))  # in place: the cast check (torch.can_cast) when traced
         with Watch():
             torch.tpu.synchronize()  # the graph compiles and runs here, inside the mode
         assert seen == [], seen
-        torch.testing.assert_close(y.cpu(), (xc * 0.5 + ic).exp() - ic)
+        torch.testing.assert_close(y.cpu(), ((xc * 0.5 + ic).exp() - ic) * ic)

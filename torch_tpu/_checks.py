@@ -34,6 +34,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
+import torch
+
 from torch_tpu import _config
 from torch_tpu._jax import jax, jnp
 
@@ -167,11 +169,26 @@ def vmap(fn: Callable[..., Any], *levels: Any) -> Callable[..., Any]:
 _DISCARD: dict = {}
 
 
+# A trace may be built while a user's TorchDispatchMode is active (a fused graph compiled as torch.utils.checkpoint
+# recomputes a region under its caching mode and a compiled region there reads a pending value). The torch calls a
+# lowering makes while it is traced (meta tensors for PyTorch's promotion rules, torch.can_cast) are torch_tpu's own:
+# with the Python dispatch keys excluded no mode sees them. (Seen, TorchTitan's selective activation checkpointing
+# raised "aten.empty.memory_format encountered during backward but not found in storage" under DEFER_AND_FUSE.)
+_NO_PYTHON_DISPATCH = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | \
+    torch._C.DispatchKeySet(torch._C.DispatchKey.PythonTLSSnapshot)
+
+
+def outside_python_dispatch() -> Any:
+    """A context in which torch calls reach no TorchDispatchMode or tensor subclass's __torch_dispatch__."""
+    return torch._C._ExcludeDispatchKeyGuard(_NO_PYTHON_DISPATCH)
+
+
 class collecting:
     """`with collecting() as found:` the checks reported by lowerings traced inside land in the dict `found`
-    (static text -> flag value of this trace); return it as a program output."""
+    (static text -> flag value of this trace); return it as a program output. Inside, torch calls reach no user
+    dispatch mode (`outside_python_dispatch`)."""
 
-    __slots__ = ("found", "saved")
+    __slots__ = ("found", "saved", "guard")
 
     def __init__(self, discard: bool = False) -> None:
         self.found: dict[str, Any] = _DISCARD if discard else {}
@@ -179,9 +196,12 @@ class collecting:
     def __enter__(self) -> dict[str, Any]:
         self.saved = getattr(_tls, "found", None)
         _tls.found = self.found
+        self.guard = outside_python_dispatch()
+        self.guard.__enter__()
         return self.found
 
     def __exit__(self, *exc: Any) -> None:
+        self.guard.__exit__(None, None, None)
         _tls.found = self.saved
 
 
