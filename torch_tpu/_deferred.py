@@ -519,7 +519,7 @@ def _recorded(full: "_Graph") -> None:
 # then three programs, each with one structure from the first step on (the first update has its own: it creates
 # the optimizer's state). Run at the backward pass's end only, the forward and backward passes were one program
 # that started after the host had recorded both: on the issue-12 Llama step (HF, tiny), 19 ms of recording before
-# a 28 ms program; started at the backward pass's start, the step took 10-12% less (tools/bench host --rows hf).
+# a 28 ms program; started at the backward pass's start, the step took 10-19% less (phases timed in one process).
 # None is a synchronization (the host does not wait): metrics count them as "backward_start", "backward_end" and
 # "optimizer_step" flushes. Graphs being captured (torch.tpu.graph) are left alone.
 _task_id = torch._C._current_graph_task_id  # the autograd graph task this thread runs a node of, or -1
