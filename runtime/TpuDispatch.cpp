@@ -523,6 +523,20 @@ PyObject* py_eager_install(PyObject*, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
+// The kernel of an _eager_install handle, and an entry's in-place target dtype (None: -1, the functional form):
+// what _eager_put and _eager_put_rec both take.
+EagerKernel* kernel_at(Py_ssize_t handle) {
+  TORCH_CHECK(handle >= 0 && handle < static_cast<Py_ssize_t>(kernels().size()),
+              "torch_tpu: internal error: eager kernel handle ", handle);
+  return kernels()[handle];
+}
+
+int target_dtype(PyObject* dtype, const char* who) {
+  if (dtype == Py_None) return -1;
+  TORCH_CHECK(THPDtype_Check(dtype), "torch_tpu: internal error: ", who, " expects a torch.dtype or None");
+  return static_cast<int>(reinterpret_cast<THPDtype*>(dtype)->scalar_type);
+}
+
 // _eager_put(handle, n, mask, dtype or None, fn): calls with n arguments of kinds `mask` (and, in-place, a target
 // of `dtype`) run fn(*arrays) in C++ from now on.
 PyObject* py_eager_put(PyObject*, PyObject* args) {
@@ -532,14 +546,7 @@ PyObject* py_eager_put(PyObject*, PyObject* args) {
   long long mask;
   PyObject *dtype, *fn;
   if (!PyArg_ParseTuple(args, "niLOO", &handle, &n, &mask, &dtype, &fn)) return nullptr;
-  TORCH_CHECK(handle >= 0 && handle < static_cast<Py_ssize_t>(kernels().size()),
-              "torch_tpu: internal error: eager kernel handle ", handle);
-  int st = -1;
-  if (dtype != Py_None) {
-    TORCH_CHECK(THPDtype_Check(dtype), "torch_tpu: internal error: _eager_put expects a torch.dtype or None");
-    st = static_cast<int>(reinterpret_cast<THPDtype*>(dtype)->scalar_type);
-  }
-  kernels()[handle]->put(n, static_cast<int64_t>(mask), st, fn);
+  kernel_at(handle)->put(n, static_cast<int64_t>(mask), target_dtype(dtype, "_eager_put"), fn);
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
@@ -553,14 +560,7 @@ PyObject* py_eager_put_rec(PyObject*, PyObject* args) {
   long long mask;
   PyObject *dtype, *key, *fn;
   if (!PyArg_ParseTuple(args, "niLOOO", &handle, &n, &mask, &dtype, &key, &fn)) return nullptr;
-  TORCH_CHECK(handle >= 0 && handle < static_cast<Py_ssize_t>(kernels().size()),
-              "torch_tpu: internal error: eager kernel handle ", handle);
-  int st = -1;
-  if (dtype != Py_None) {
-    TORCH_CHECK(THPDtype_Check(dtype), "torch_tpu: internal error: _eager_put_rec expects a torch.dtype or None");
-    st = static_cast<int>(reinterpret_cast<THPDtype*>(dtype)->scalar_type);
-  }
-  kernels()[handle]->put_rec(n, static_cast<int64_t>(mask), st, key, fn);
+  kernel_at(handle)->put_rec(n, static_cast<int64_t>(mask), target_dtype(dtype, "_eager_put_rec"), key, fn);
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
