@@ -227,6 +227,42 @@ def test_module_state_dict_roundtrip() -> None:
     torch.testing.assert_close(m2.weight.cpu(), m.weight.cpu())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
+                                   torch.int32, torch.int8, torch.uint8, torch.bool, torch.complex64,
+                                   torch.float8_e4m3fn])
+@pytest.mark.parametrize("mode", ["DEFER_NEVER", "DEFER_AND_FUSE"])
+def test_host_uploads_are_private_copies_with_every_value_and_dtype(dtype, mode) -> None:
+    # _runtime.put hands host arrays to the C++ transfer under jax.device_put: the device array must be what
+    # jax.device_put makes (committed to the device, the tensor's dtype and shape) and must not alias the host
+    # memory (XLA:CPU can alias an aligned host buffer; torch may write its memory after the copy).
+    import jax
+
+    from torch_tpu import _C, _executor, _runtime
+
+    cpu = (torch.arange(24, dtype=torch.float64).reshape(2, 3, 4) - 7).to(dtype)
+    sources = [cpu, cpu[:, 1:, ::2], cpu.transpose(0, 2), cpu[0, 0, 0], cpu[:0], torch.empty(0, 5, dtype=dtype)]
+    if dtype.is_complex:
+        sources.append(cpu.conj())
+    with torch.tpu.set_eager_mode(mode):
+        for src in sources:
+            expected = src.clone()
+            dev = src.to("tpu")
+            # (the storage's array; a permuted source keeps its strides on tpu, and DEFER_AND_FUSE records that copy)
+            arr = _executor.concrete(_C._storage_array(dev)[0])
+            assert arr.committed and arr.devices() == {_runtime.device(0)}
+            assert arr.size == src.numel() and arr.dtype == jax.numpy.dtype(_runtime.jax_dtype(dtype))
+            host_bytes = torch.tensor([], dtype=torch.uint8).set_(src.untyped_storage())
+            host_bytes.bitwise_not_()  # every byte of the host memory changes after the copy...
+            back = dev.cpu()
+            host_bytes.bitwise_not_()  # (...and back, for the next source)
+            assert back.dtype == dtype and back.shape == expected.shape
+            if dtype == torch.float8_e4m3fn:  # (CPU torch compares no float8 values: compare their bytes)
+                back, expected = back.view(torch.uint8), expected.view(torch.uint8)
+            assert torch.equal(back, expected.resolve_conj()), (src.shape, src.stride())
+        built = torch.tensor([], dtype=dtype, device="tpu")  # (what HF's DynamicCache makes each step)
+        assert built.shape == (0,) and built.dtype == dtype and built.device.type == "tpu"
+
+
 def test_deepcopy_and_clone() -> None:
     cpu, x = _pair()
     y = copy.deepcopy(x)
