@@ -257,9 +257,6 @@ def host_to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-_put_to: list[Any] = []  # [xla_client.batched_device_put, core.ShapedArray, {index: SingleDeviceSharding}]
-
-
 def put(arr: np.ndarray, index: int) -> Any:
     """A device array on tpu:`index` with the values of the C-contiguous host array `arr`, which nothing else may
     hold (XLA:CPU can alias it; see upload): what `jax.device_put(arr, device(index))` makes (committed, one device,
@@ -267,16 +264,7 @@ def put(arr: np.ndarray, index: int) -> Any:
     around it (argument checks, sharding and copy-semantics dispatch) costs about 70 us per call on this machine
     against about 7 us for the transfer of a small array; every host tensor a program reads (a batch's `.to("tpu")`,
     `torch.tensor(..., device="tpu")`) pays it."""
-    if not _put_to:
-        import jax
-        from jax._src import core
-        from jax._src.lib import xla_client
-
-        fast = getattr(xla_client, "batched_device_put", None)
-        _put_to.extend((fast, core.ShapedArray, {}))
-        if fast is None:  # (a jaxlib without it: jax.device_put itself)
-            _put_to[0] = lambda aval, sharding, xs, devs, committed: jax.device_put(xs[0], devs[0])
-    fast, shaped, shardings = _put_to
+    fast, shaped, shardings = _put_to or _put_start()
     sharding = shardings.get(index)
     if sharding is None:
         import jax
@@ -289,6 +277,23 @@ def put(arr: np.ndarray, index: int) -> Any:
             _avals.clear()
         aval = _avals[key] = shaped(arr.shape, arr.dtype)
     return fast(aval, sharding, [arr], [device(index)], True)
+
+
+_put_to: tuple = ()  # (xla_client.batched_device_put, core.ShapedArray, {index: SingleDeviceSharding})
+
+
+def _put_start() -> tuple:
+    """put's callables, looked up once (threads racing here each make the same tuple; one is kept)."""
+    global _put_to
+    import jax
+    from jax._src import core
+    from jax._src.lib import xla_client
+
+    fast = getattr(xla_client, "batched_device_put", None)
+    if fast is None:  # (a jaxlib without it: jax.device_put itself)
+        fast = lambda aval, sharding, xs, devs, committed: jax.device_put(xs[0], devs[0])  # noqa: E731
+    _put_to = (fast, core.ShapedArray, {})
+    return _put_to
 
 
 _avals: dict[tuple, Any] = {}  # (shape, numpy dtype) -> its jax ShapedArray, for put
