@@ -51,7 +51,7 @@ def _device_of(x: Any) -> Any:
 
 def _host(x: Any) -> np.ndarray:
     """A concrete array's value on the host (a sync: only for data-dependent shapes and checks)."""
-    return np.asarray(jax.device_get(x))
+    return np.asarray(x)  # (jax.device_get's Python path adds about 50 us to the transfer)
 
 
 def _lowest(dtype: Any) -> Any:

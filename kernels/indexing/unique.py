@@ -6,16 +6,17 @@ from typing import Any
 
 import numpy as np
 
-from torch_tpu._jax import jax, jnp
-from torch_tpu.kernels.indexing._common import _device_of, _host, _wrap_dim
+from torch_tpu import _runtime
+from torch_tpu.kernels.indexing._common import _host, _wrap_dim
 from torch_tpu.kernels.registry import lower
 
 
 # ---- unique (data-dependent, computed on the host) ----
 
 def _put(arr: np.ndarray, like: Any, dtype: Any = None) -> Any:
-    """A host array as a device array on `like`'s device."""
-    return jax.device_put(jnp.asarray(arr, dtype if dtype is not None else arr.dtype), _device_of(like))
+    """A host array as a device array on `like`'s device (a private copy: the transfer may alias host memory)."""
+    return _runtime.put(np.array(arr, dtype if dtype is not None else arr.dtype, order="C", copy=True),
+                        _runtime.index_of(like))
 
 
 def _sortable(flat: np.ndarray) -> np.ndarray:

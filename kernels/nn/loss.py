@@ -403,7 +403,7 @@ def _host_lengths(name: str, lengths: Any) -> tuple[int, ...]:
     """Length tensors read on the host (a sync: they decide log_alpha's shape, as in ATen's CPU kernel)."""
     if not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise RuntimeError(f"{name} must be integral")
-    return tuple(int(v) for v in np.asarray(jax.device_get(lengths)).reshape(-1))
+    return tuple(int(v) for v in np.asarray(lengths).reshape(-1))
 
 
 @functools.lru_cache(maxsize=64)
