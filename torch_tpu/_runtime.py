@@ -361,7 +361,21 @@ def synchronize(index: int | None = None) -> None:
 
     _metrics.tick()
     want = None if index is None or index < 0 else _devices[index]
-    for a in jax.live_arrays():
+    arrays = jax.live_arrays()
+    if want is not None and len(_devices) > 1:
+        arrays = [a for a in arrays if want in a.devices()]
+    if len(arrays) > 1:
+        # One C++ wait for all of them (a Python loop over a model's parameters and optimizer state cost about
+        # 1 us per array: 2 ms per synchronize with 2,000 live arrays); if one of them was donated meanwhile (it
+        # raises), the loop below tells that apart from a failed program.
+        from jax._src.lib import xla_client
+
+        try:
+            xla_client.batched_block_until_ready(arrays)
+            arrays = ()
+        except RuntimeError:
+            pass
+    for a in arrays:
         try:
             if want is None or want in a.devices():
                 a.block_until_ready()
