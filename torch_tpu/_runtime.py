@@ -361,7 +361,7 @@ def synchronize(index: int | None = None) -> None:
 
     _metrics.tick()
     want = None if index is None or index < 0 else _devices[index]
-    arrays = jax.live_arrays()
+    arrays = jax.live_arrays(_platform)  # (tpu's platform: JAX's default backend may be another, as in _streams)
     if want is not None and len(_devices) > 1:
         arrays = [a for a in arrays if want in a.devices()]
     if len(arrays) > 1:
