@@ -72,6 +72,31 @@ def test_synchronize_and_seed() -> None:
     del x
 
 
+def test_synchronize_waits_for_every_array_in_flight() -> None:
+    # torch.tpu.synchronize waits for all live arrays in one C++ call (and, where that raises, one by one): after
+    # it, every result of the queued programs is computed, whichever tensor holds it.
+    import jax
+
+    from torch_tpu import _C, _runtime
+
+    base = torch.randn(256, 256, device="tpu")
+    outs = []
+    for i in range(64):
+        y = base
+        for _ in range(4):
+            y = torch.tanh(y @ base + i)
+        outs.append(y)
+    torch.tpu.synchronize()
+    arrays = [_C._array(t) for t in outs]
+    assert all(a is not None and a.is_ready() for a in arrays)
+    assert all(a.is_ready() for a in jax.live_arrays(_runtime.platform()))
+    cpu = base.cpu()
+    want = cpu
+    for _ in range(4):
+        want = torch.tanh(want @ cpu + 63)
+    torch.testing.assert_close(outs[-1].cpu(), want, rtol=1e-4, atol=1e-4)
+
+
 def test_rng_state_roundtrip() -> None:
     torch.tpu.manual_seed(5)
     state = torch.tpu.get_rng_state()
