@@ -674,6 +674,34 @@ PyObject* py_set_dtype_map(PyObject* /*self*/, PyObject* map) {
   Py_RETURN_NONE;
 }
 
+// _unseen(arrays, seen) -> the elements of list `arrays` whose id() is not a key of dict `seen`. An event record
+// (torch_tpu/_streams.py) asks this of every live array: the Python loop cost about 80 ns per array (0.16 ms per
+// record with 2,000 live arrays, a model's parameters and optimizer state).
+PyObject* py_unseen(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyList_Check(args[0]) || !PyDict_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "torch_tpu: internal error: _unseen(list, dict)");
+    return nullptr;
+  }
+  PyObject* out = PyList_New(0);
+  if (out == nullptr) return nullptr;
+  const Py_ssize_t n = PyList_GET_SIZE(args[0]);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PyList_GET_ITEM(args[0], i);
+    PyObject* key = PyLong_FromVoidPtr(item);  // id(item)
+    if (key == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    int seen = PyDict_Contains(args[1], key);
+    Py_DECREF(key);
+    if (seen < 0 || (seen == 0 && PyList_Append(out, item) < 0)) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+  }
+  return out;
+}
+
 PyMethodDef kFastMethods[] = {
     {"_fast_args", py_fast_args, METH_O, "(device, mask, arrays) when every argument takes the fast path"},
     {"_fast_args_ex", py_fast_args_ex, METH_VARARGS, "(device, mask, arrays, key) for static and relaid arguments"},
@@ -691,6 +719,8 @@ PyMethodDef kFastMethods[] = {
     {"_whole_arrays", py_whole_arrays, METH_VARARGS, "a compiled graph's input arrays and which may be donated"},
     {"_write_wholes", py_write_wholes, METH_VARARGS, "swap in a compiled graph's mutated inputs' arrays"},
     {"_wrap_all", py_wrap_all, METH_VARARGS, "wrap a compiled graph's output arrays as new tpu tensors"},
+    {"_unseen", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_unseen)), METH_FASTCALL,
+     "the elements of a list whose id() is not a key of a dict"},
     {nullptr, nullptr, 0, nullptr}};
 
 TpuGeneratorImpl* generator_arg(py::handle gen) {

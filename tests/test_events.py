@@ -210,3 +210,26 @@ def test_synchronize_raises_a_pending_index_error() -> None:
         e.synchronize()
     del y
 
+
+
+def test_a_record_asks_only_arrays_it_has_not_seen_computed() -> None:
+    # An event record scans every live array (_streams._computing); the filter against the arrays already seen
+    # computed is one C loop (_C._unseen), which must keep exactly what the Python comprehension kept, in order.
+    import jax
+
+    from torch_tpu import _C, _runtime, _streams
+
+    keep = [torch.randn(8, device="tpu") for _ in range(300)]
+    torch.tpu.synchronize()
+    torch.tpu.Event().record()  # every array so far is computed: seen
+    fresh = [k * 2 for k in keep[:5]]
+    live = jax.live_arrays(_runtime.platform())
+    seen = _streams._seen_ready
+    want = [a for a in live if id(a) not in seen]
+    got = _C._unseen(live, seen)
+    assert [id(a) for a in got] == [id(a) for a in want]
+    assert {id(_C._array(t)) for t in fresh} <= {id(a) for a in got}
+    assert len(got) < len(live) // 2
+    assert _C._unseen([], {}) == [] and _C._unseen(live, {}) == live
+    with pytest.raises(TypeError, match="_unseen"):
+        _C._unseen(tuple(live), seen)

@@ -70,7 +70,7 @@ def _computing(device: int) -> list[Any]:
     out = []
     # The arrays of the platform tpu runs on (JAX's default backend may be another one, e.g. TORCH_TPU_PLATFORM=cpu
     # on a TPU host).
-    for a in [a for a in jax.live_arrays(_runtime.platform()) if id(a) not in seen]:
+    for a in _C._unseen(jax.live_arrays(_runtime.platform()), seen):
         try:
             if a.is_ready():
                 seen[id(a)] = weakref.ref(a, _forget(id(a)))
