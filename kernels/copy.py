@@ -40,10 +40,12 @@ def _value_for(dst: torch.Tensor, src: torch.Tensor) -> Any:
         val = _runtime.upload(src, index)
     dtype = _runtime.jax_dtype(dst.dtype)
     shape = tuple(dst.shape)
-    if val.dtype == dtype and tuple(val.shape) == shape:
-        return val
+    if tuple(val.shape) == shape:
+        if val.dtype == dtype:
+            return val
+        return _convert(shape, dtype)(val)  # (a cast, as x.to(torch.bfloat16): no broadcast to check)
     try:
-        torch.broadcast_shapes(tuple(src.shape), shape)
+        torch.broadcast_shapes(tuple(src.shape), shape)  # (PyTorch's Python reference: about 30 us)
     except RuntimeError:
         raise RuntimeError(
             f"The size of tensor a ({list(shape)}) must match the size of tensor b ({list(src.shape)}) "
