@@ -355,7 +355,9 @@ def _read_flags(arrays: list[Any]) -> Any:
                 _stack = jax.jit(jnp.stack)
             return np.asarray(_stack(arrays))
     for a in arrays:  # (as jax.device_get does, without its Python tree walk: about 50 us per call)
-        a.copy_to_host_async()
+        start = getattr(a, "copy_to_host_async", None)  # (a host value has none)
+        if start is not None:
+            start()
     return [np.asarray(a) for a in arrays]
 
 
