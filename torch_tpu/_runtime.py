@@ -285,14 +285,10 @@ _put_to: tuple = ()  # (xla_client.batched_device_put, core.ShapedArray, {index:
 def _put_start() -> tuple:
     """put's callables, looked up once (threads racing here each make the same tuple; one is kept)."""
     global _put_to
-    import jax
     from jax._src import core
     from jax._src.lib import xla_client
 
-    fast = getattr(xla_client, "batched_device_put", None)
-    if fast is None:  # (a jaxlib without it: jax.device_put itself)
-        fast = lambda aval, sharding, xs, devs, committed: jax.device_put(xs[0], devs[0])  # noqa: E731
-    _put_to = (fast, core.ShapedArray, {})
+    _put_to = (xla_client.batched_device_put, core.ShapedArray, {})  # (jaxlib is pinned: tools/requirements.txt)
     return _put_to
 
 
