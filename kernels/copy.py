@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from torch_tpu import _executor, _runtime, _storage
+from torch_tpu import _C, _executor, _runtime, _storage
 from torch_tpu._jax import jax, jnp
 from torch_tpu.kernels.registry import direct
 
@@ -54,6 +54,30 @@ def _value_for(dst: torch.Tensor, src: torch.Tensor) -> Any:
     return _convert(shape, dtype)(val)
 
 
+def _cast(self: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """aten::_to_copy of a contiguous tpu tensor to another dtype on its own device (runtime/TpuCast.cpp calls it
+    for that form; every other form runs ATen's composite: empty_like, then copy_ above). The same value as that
+    composite: `self` read with its lazy conjugate/negative bits applied, converted as copy_ converts, in a new
+    contiguous tensor. Deferrable: under DEFER_AND_FUSE the conversion is recorded."""
+    val = _storage.read(self)
+    return _C._wrap(_convert(tuple(self.shape), _runtime.jax_dtype(dtype))(val), dtype, self.device.index)
+
+
+def _to_host(self: torch.Tensor) -> torch.Tensor:
+    """aten::_to_copy of a contiguous tpu tensor to the CPU with its dtype (runtime/TpuCast.cpp calls it for that
+    form): the download itself (a private host copy) is the result, not copied once more into an empty CPU tensor
+    as ATen's composite would. A synchronization point, as copy_ to the host is."""
+    out = _runtime.download(_executor.concrete(_storage.read(self), "to_cpu"))
+    if out.dtype != self.dtype or out.shape != self.shape:  # (not expected: then exactly what copy_ gives)
+        return torch.empty(self.shape, dtype=self.dtype).copy_(out)
+    return out
+
+
+# (as the deferrable direct kernels are installed: under DEFER_NEVER_AND_LAUNCH_BLOCKING the cast is waited for)
+CASTS = (_executor.blocking_after(_cast), _to_host)
+_C._set_casts(*CASTS)
+
+
 @direct("copy_", defer=True)
 def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     if self.device.type == "tpu":
@@ -81,7 +105,8 @@ def _copy_from_and_resize(self: torch.Tensor, dst: torch.Tensor) -> torch.Tensor
 def _local_scalar_dense(self: torch.Tensor) -> Any:
     # As copy_ to the host: under DEFER_AND_FUSE the graph holding the value runs (the read of a view is recorded
     # into it first), not every graph of the thread, and no boundary flush is paid by sync-heavy code.
-    return _runtime.download(_executor.concrete(_storage.read(self), "item")).item()
+    # (numpy's item() gives the Python number torch's does: float for every floating dtype, bfloat16 included)
+    return _runtime.host_array(_executor.concrete(_storage.read(self), "item")).item()
 
 
 @direct("record_stream", defer=True)

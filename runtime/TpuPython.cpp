@@ -776,6 +776,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("_live_buffers", &live_buffers);
   add_memory_methods(m);
   add_attention_methods(m);
+  add_cast_methods(m);
   m.def("_set_fallback_mode", [](int mode) { set_fallback_mode(static_cast<FallbackMode>(mode)); });
   m.def("_fallback_mode", []() { return static_cast<int>(fallback_mode()); });
   m.def("_fallback_counts", &fallback_counts);

@@ -128,6 +128,8 @@ Callbacks& callbacks();
 void add_memory_methods(pybind11::module_& m);
 // ---- scaled_dot_product_attention's backend choice (TpuAttention.cpp): adds _set_sdp_choice ----
 void add_attention_methods(pybind11::module_& m);
+// ---- same-device casts, aten::_to_copy (TpuCast.cpp): adds _set_casts ----
+void add_cast_methods(pybind11::module_& m);
 // With a Python error set: replaces PJRT's RESOURCE_EXHAUSTED by torch.OutOfMemoryError (counted in num_ooms of
 // `device`), naming `what` ran; any other error is left as it is.
 void translate_oom_error(int device, const std::string& what);

@@ -31,7 +31,7 @@ def skip_kernels() -> None:
     except ImportError:  # a torch without Dynamo
         return
     from torch_tpu import _deferred, _eager, _executor, _foreach, _runtime, _storage, device_module
-    from torch_tpu.kernels import registry
+    from torch_tpu.kernels import copy as copy_kernels, registry
 
     skip = eval_frame._FrameAction.SKIP
     strategy = eval_frame._FrameExecStrategy(skip, skip)
@@ -39,7 +39,8 @@ def skip_kernels() -> None:
                _runtime.start, device_module._synchronize, _storage.resize_array, _deferred._backward_ended,
                # (called by the C++ kernels: runtime/TpuDispatch.cpp's recorded entries, TpuMode.cpp's recorder)
                _deferred.record, _deferred._recorded, _deferred._task_started,
-               *registry.DIRECT.values()]
+               *registry.DIRECT.values(),
+               *copy_kernels.CASTS]  # (aten::_to_copy's two Python forms, runtime/TpuCast.cpp)
     try:  # kernels installed through DEFER_AND_FUSE's boundary wrapper: C++ calls the wrapper (one code object)
         entries.append(_executor.boundary(lambda: None, "dynamo"))
         entries.append(_executor.blocking_after(lambda: None))

@@ -310,22 +310,28 @@ def upload(t: torch.Tensor, index: int) -> Any:
         raise
 
 
-def download(arr: Any) -> torch.Tensor:
-    """A CPU tensor with the values of the device array `arr` (waits for it). A synchronization point: an
-    out-of-range index of an earlier op raises here (torch_tpu/_checks.py). `arr` is a concrete array: a value
-    an executor has not computed yet (a DEFER_AND_FUSE placeholder) is resolved by the caller first."""
+def host_array(arr: Any) -> np.ndarray:
+    """The values of the device array `arr` as a numpy array (waits for it; read-only: it may be JAX's cached host
+    copy). A synchronization point: an out-of-range index of an earlier op raises here (torch_tpu/_checks.py).
+    `arr` is a concrete array: a value an executor has not computed yet (a DEFER_AND_FUSE placeholder) is resolved
+    by the caller first."""
     from torch_tpu import _checks, _metrics
 
     if not hasattr(arr, "__array__"):
-        raise TypeError(f"torch_tpu: internal error: download() needs a concrete device array, got {arr!r} "
+        raise TypeError(f"torch_tpu: internal error: a host read needs a concrete device array, got {arr!r} "
                         "(resolve an executor's placeholder before reading it)")
     _metrics.tick()
     _checks.raise_pending()
     try:
-        np_arr = np.asarray(arr)
+        return np.asarray(arr)
     except RuntimeError:  # PJRT's RESOURCE_EXHAUSTED (of the work that computes it) becomes torch.OutOfMemoryError
         _raise_if_oom(arr)
         raise
+
+
+def download(arr: Any) -> torch.Tensor:
+    """A CPU tensor of its own with the values of the device array `arr` (see host_array)."""
+    np_arr = host_array(arr)
     dtype = torch_dtype(np_arr.dtype)
     as_int = _VIEW_AS_INT.get(dtype)
     if as_int is not None:
