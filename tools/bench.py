@@ -841,6 +841,7 @@ def _tpu_step_variants(mod, modes=("DEFER_NEVER", "DEFER_AND_FUSE"), whole_step:
 def _host_eager(quick: bool) -> None:
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     x = torch.randn(2, 2, device="tpu")
     y = torch.randn(2, 2, device="tpu")
@@ -851,6 +852,17 @@ def _host_eager(quick: bool) -> None:
                          trials=2 if quick else 7, sync=lambda: (torch.tpu.synchronize(), jax.block_until_ready(a)))
     _host_row("a. eager x + y (2x2, DEFER_NEVER, no sync)", f"tpu {r['tpu']:.2f} us  jax.jit {r['jax']:.2f} us",
               r["tpu"] / r["jax"], 1.2)
+    # A cast (x.to(dtype), autocast's casts) and a copy to the host, each next to the same work in JAX.
+    cast = jax.jit(lambda p: p.astype(jnp.bfloat16))
+    with torch.tpu.set_eager_mode("DEFER_NEVER"):
+        r = side_by_side({"tpu": lambda: x.to(torch.bfloat16), "jax": lambda: cast(a)}, calls=300 if quick else 3000,
+                         trials=2 if quick else 7, sync=lambda: (torch.tpu.synchronize(), jax.block_until_ready(a)))
+        _host_info("a. x.to(torch.bfloat16) (2x2) / jax.jit astype",
+                   f"tpu {r['tpu']:.2f} us  jax.jit {r['jax']:.2f} us", f"{r['tpu'] / r['jax']:.2f}x")
+        r = side_by_side({"tpu": lambda: (x + y).cpu(), "jax": lambda: np.asarray(add(a, b))},
+                         calls=300 if quick else 3000, trials=2 if quick else 7)
+        _host_info("a. (x + y).cpu() (2x2) / np.asarray(jax.jit add)", f"tpu {r['tpu']:.2f} us  jax {r['jax']:.2f} us",
+                   f"{r['tpu'] / r['jax']:.2f}x")
 
 
 def _host_training(name: str, quick: bool, fused: bool, compiled: bool) -> None:
