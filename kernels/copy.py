@@ -64,9 +64,10 @@ def _cast(self: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _to_host(self: torch.Tensor) -> torch.Tensor:
-    """aten::_to_copy of a contiguous tpu tensor to the CPU with its dtype (runtime/TpuCast.cpp calls it for that
-    form): the download itself (a private host copy) is the result, not copied once more into an empty CPU tensor
-    as ATen's composite would. A synchronization point, as copy_ to the host is."""
+    """A CPU tensor of its own with the values of tpu tensor `self` (its dtype and shape). aten::_to_copy of a
+    contiguous tpu tensor to the CPU with its dtype is this call (runtime/TpuCast.cpp): the download itself is the
+    result, not copied once more into an empty CPU tensor as ATen's composite would; copy_ to the host casts and
+    broadcasts from it. A synchronization point."""
     out = _runtime.download(_executor.concrete(_storage.read(self), "to_cpu"))
     if out.dtype != self.dtype or out.shape != self.shape:  # (not expected: then exactly what copy_ gives)
         return torch.empty(self.shape, dtype=self.dtype).copy_(out)
@@ -84,7 +85,7 @@ def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> 
         _storage.write(self, _value_for(self, src))
     elif src.device.type == "tpu":
         # To the host (or another backend): fetch, then let that device's copy_ cast and broadcast.
-        self.copy_(_runtime.download(_executor.concrete(_storage.read(src), "to_cpu")))
+        self.copy_(_to_host(src))
     else:
         raise RuntimeError(f"torch_tpu: copy_ from {src.device} to {self.device} reached the tpu backend")
     return self
