@@ -63,19 +63,20 @@ def _cast(self: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _C._wrap(_convert(tuple(self.shape), _runtime.jax_dtype(dtype))(val), dtype, self.device.index)
 
 
-def _to_host(self: torch.Tensor) -> torch.Tensor:
+def _to_host(self: torch.Tensor, reason: str = "to_cpu") -> torch.Tensor:
     """A CPU tensor of its own with the values of tpu tensor `self` (its dtype and shape). aten::_to_copy of a
     contiguous tpu tensor to the CPU with its dtype is this call (runtime/TpuCast.cpp): the download itself is the
     result, not copied once more into an empty CPU tensor as ATen's composite would; copy_ to the host casts and
     broadcasts from it. A synchronization point."""
-    out = _runtime.download(_executor.concrete(_storage.read(self), "to_cpu"))
+    out = _runtime.download(_executor.concrete(_storage.read(self), reason))
     if out.dtype != self.dtype or out.shape != self.shape:  # (not expected: then exactly what copy_ gives)
         return torch.empty(self.shape, dtype=self.dtype).copy_(out)
     return out
 
 
-# (as the deferrable direct kernels are installed: under DEFER_NEVER_AND_LAUNCH_BLOCKING the cast is waited for)
-CASTS = (_executor.blocking_after(_cast), _to_host)
+# (as the deferrable direct kernels are installed: under DEFER_NEVER_AND_LAUNCH_BLOCKING the cast is waited for;
+# the C++ kernel reads a computed whole array to the host itself, through `host_array`, and calls `_to_host` else)
+CASTS = (_executor.blocking_after(_cast), _to_host, _runtime.host_array)
 _C._set_casts(*CASTS)
 
 
@@ -102,12 +103,15 @@ def _copy_from_and_resize(self: torch.Tensor, dst: torch.Tensor) -> torch.Tensor
     return copy_(dst, self)
 
 
-@direct("_local_scalar_dense", defer=True)
-def _local_scalar_dense(self: torch.Tensor) -> Any:
-    # As copy_ to the host: under DEFER_AND_FUSE the graph holding the value runs (the read of a view is recorded
-    # into it first), not every graph of the thread, and no boundary flush is paid by sync-heavy code.
-    # (numpy's item() gives the Python number torch's does: float for every floating dtype, bfloat16 included)
-    return _runtime.host_array(_executor.concrete(_storage.read(self), "item")).item()
+def _item_host(self: torch.Tensor) -> torch.Tensor:
+    """The one-element CPU tensor aten::_local_scalar_dense (.item(), runtime/TpuCast.cpp) takes its number from,
+    where the kernel does not read the array itself (a placeholder, a view, a lazy bit). As copy_ to the host: under
+    DEFER_AND_FUSE the graph holding the value runs (the read of a view is recorded into it first), not every graph
+    of the thread, and no boundary flush is paid by sync-heavy code."""
+    return _to_host(self, "item")
+
+
+_C._set_item(_item_host)
 
 
 @direct("record_stream", defer=True)

@@ -1,5 +1,5 @@
 // aten::_to_copy on tpu: every x.to(dtype), .float(), .half(), autocast's casts and ToCopyBackward's, and every
-// x.cpu() / x.to("cpu").
+// x.cpu() / x.to("cpu"); and aten::_local_scalar_dense, every .item() (at the end).
 //
 // ATen's own kernel is a composite (CompositeExplicitAutograd): it allocates the result with empty_like and then
 // dispatches copy_, whose tpu kernel is Python (kernels/copy.py): an allocation, a second dispatch into Python and,
@@ -7,17 +7,22 @@
 // instead one call of a Python function in kernels/copy.py:
 // - a cast that stays on its tpu device (`_cast`: the storage read, one jitted conversion, the new tensor;
 //   DEFER_AND_FUSE records it like any other op);
-// - a copy to the host with the same dtype (`_to_host`: the download is the result).
+// - a copy to the host with the same dtype (`_to_host`: the download is the result; for the whole of a computed
+//   array, the common case, `to_host_direct` below does it without entering Python but for the read itself).
 // Every other form (a cast to or from the host, no dtype change on tpu, another layout or memory format, pinned
 // memory, a non-contiguous source) runs ATen's composite itself (at::native::_to_copy), so its semantics stay
 // PyTorch's.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_to_copy_native.h>
+#include <ATen/ops/_local_scalar_dense.h>
+#include <ATen/ops/empty.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
+
+#include <cstring>
 
 #include "TpuRuntime.h"
 
@@ -26,8 +31,10 @@ namespace {
 
 namespace py = pybind11;
 
-PyObject* g_cast = nullptr;     // (tensor, dtype) -> tensor: kernels/copy.py's `_cast` (owned)
-PyObject* g_to_host = nullptr;  // (tensor) -> CPU tensor: kernels/copy.py's `_to_host` (owned)
+PyObject* g_cast = nullptr;       // (tensor, dtype) -> tensor: kernels/copy.py's `_cast` (owned)
+PyObject* g_to_host = nullptr;    // (tensor) -> CPU tensor: kernels/copy.py's `_to_host` (owned)
+PyObject* g_host_read = nullptr;  // (device array) -> numpy array: torch_tpu/_runtime.py's `host_array` (owned)
+PyObject* g_item = nullptr;       // (tensor) -> CPU tensor: kernels/copy.py's `_item_host` (owned)
 
 bool keeps_layout(const at::Tensor& self, std::optional<at::Layout> layout, std::optional<bool> pin_memory,
                   std::optional<at::MemoryFormat> memory_format) {
@@ -55,6 +62,35 @@ at::Tensor tensor_from(PyObject* r) {
   return THPVariable_Unpack(out.ptr());
 }
 
+// `_to_host(self)` without its Python frames, when `self` is the whole of its storage's computed array (the common
+// case: the result of an op, read right after it): the host read itself (`host_array`: the wait, the synchronization
+// hooks, the error of a failed program), then one copy of its bytes into a new CPU tensor. An undefined tensor when
+// that form does not apply (a placeholder still to compute, a view, a lazy bit): `_to_host` takes it.
+at::Tensor to_host_direct(const at::Tensor& self, PyObject* reason) {
+  c10::TensorImpl* impl = self.unsafeGetTensorImpl();
+  if (g_host_read == nullptr || reason == nullptr || impl->storage_offset() != 0 || !is_buffer(impl->storage()))
+    return at::Tensor();
+  TpuBuffer* buf = buffer_of(impl->unsafe_storage());
+  dispatch_resolve_pending(buf);  // (computes a placeholder unless this thread records: then it stays one)
+  if (!views_whole_array(impl, buf) || !dispatch_is_array(buf->array)) return at::Tensor();
+  auto arr = py::reinterpret_borrow<py::object>(buf->array);  // (the storage may change its array meanwhile)
+  segment_end(arr.ptr(), reason);
+  auto host = py::reinterpret_steal<py::object>(PyObject_CallOneArg(g_host_read, arr.ptr()));
+  if (!host) throw python_error();
+  Py_buffer view;  // (PyBUF_SIMPLE: numpy exports bfloat16 and float8 arrays too, C-contiguous ones only)
+  if (PyObject_GetBuffer(host.ptr(), &view, PyBUF_SIMPLE) != 0) {
+    PyErr_Clear();
+    return at::Tensor();
+  }
+  at::Tensor out;
+  if (static_cast<size_t>(view.len) == self.nbytes()) {
+    out = at::empty(self.sizes(), self.options().device(at::kCPU));
+    if (view.len > 0) std::memcpy(out.data_ptr(), view.buf, view.len);
+  }
+  PyBuffer_Release(&view);
+  return out;
+}
+
 at::Tensor to_copy_tpu(const at::Tensor& self, std::optional<at::ScalarType> dtype, std::optional<at::Layout> layout,
                        std::optional<at::Device> device, std::optional<bool> pin_memory, bool non_blocking,
                        std::optional<at::MemoryFormat> memory_format) {
@@ -68,7 +104,11 @@ at::Tensor to_copy_tpu(const at::Tensor& self, std::optional<at::ScalarType> dty
     }
     if (g_to_host != nullptr && device.has_value() && device->is_cpu() &&
         (!dtype.has_value() || *dtype == self.scalar_type())) {
+      check_not_forked();
       py::gil_scoped_acquire gil;
+      static PyObject* reason = PyUnicode_InternFromString("to_cpu");  // (the reason _to_host gives: one object)
+      at::Tensor out = to_host_direct(self, reason);
+      if (out.defined()) return out;
       auto t = py::reinterpret_steal<py::object>(THPVariable_Wrap(self));
       if (!t) throw python_error();
       return tensor_from(PyObject_CallFunctionObjArgs(g_to_host, t.ptr(), nullptr));
@@ -77,15 +117,47 @@ at::Tensor to_copy_tpu(const at::Tensor& self, std::optional<at::ScalarType> dty
   return at::native::_to_copy(self, dtype, layout, device, pin_memory, non_blocking, memory_format);
 }
 
+// aten::_local_scalar_dense (every .item(), and the reads of Python control flow on tpu values): the element read
+// as to_host_direct reads (or, for a placeholder, a view, a lazy bit: `_item_host`, the same read in Python), then
+// CPU PyTorch's own kernel on that one-element CPU tensor, so the Python number is CPU's in every dtype. Under
+// DEFER_AND_FUSE only the graph computing the value runs (a read, not a boundary: no other pending work is flushed).
+c10::Scalar local_scalar_dense_tpu(const at::Tensor& self) {
+  TORCH_CHECK(self.numel() == 1, "a Tensor with ", self.numel(), " elements cannot be converted to Scalar");
+  check_not_forked();
+  at::Tensor host;
+  {
+    py::gil_scoped_acquire gil;
+    static PyObject* reason = PyUnicode_InternFromString("item");  // (the reason _item_host gives: one object)
+    host = to_host_direct(self, reason);
+    if (!host.defined()) {
+      TORCH_CHECK(g_item != nullptr, "torch_tpu: internal error: .item() of a tpu tensor before kernels/copy.py set "
+                  "its Python half (_C._set_item)");
+      auto t = py::reinterpret_steal<py::object>(THPVariable_Wrap(self));
+      if (!t) throw python_error();
+      host = tensor_from(PyObject_CallOneArg(g_item, t.ptr()));
+    }
+  }
+  return at::_local_scalar_dense(host);
+}
+
 }  // namespace
 
 void add_cast_methods(py::module_& m) {
-  // (None: that form runs ATen's composite too)
-  m.def("_set_casts", [](py::object cast, py::object to_host) {
-    Py_XDECREF(g_cast);
-    Py_XDECREF(g_to_host);
-    g_cast = cast.is_none() ? nullptr : cast.release().ptr();
-    g_to_host = to_host.is_none() ? nullptr : to_host.release().ptr();
+  // (None: that form runs ATen's composite too; host_read None: every copy to the host calls `to_host`)
+  m.def(
+      "_set_casts",
+      [](py::object cast, py::object to_host, py::object host_read) {
+        Py_XDECREF(g_cast);
+        Py_XDECREF(g_to_host);
+        Py_XDECREF(g_host_read);
+        g_cast = cast.is_none() ? nullptr : cast.release().ptr();
+        g_to_host = to_host.is_none() ? nullptr : to_host.release().ptr();
+        g_host_read = host_read.is_none() ? nullptr : host_read.release().ptr();
+      },
+      py::arg("cast"), py::arg("to_host"), py::arg("host_read") = py::none());
+  m.def("_set_item", [](py::object item) {
+    Py_XDECREF(g_item);
+    g_item = item.release().ptr();
   });
 }
 
@@ -93,4 +165,5 @@ void add_cast_methods(py::module_& m) {
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_to_copy", TORCH_FN(torch_tpu::to_copy_tpu));
+  m.impl("_local_scalar_dense", TORCH_FN(torch_tpu::local_scalar_dense_tpu));
 }

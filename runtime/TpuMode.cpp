@@ -185,6 +185,20 @@ PyObject* py_fuse_recorded(PyObject*, PyObject*) {
 // written with the GIL held; counted here because a Python counter under a lock costs as much as the op.
 std::vector<std::pair<PyObject*, int64_t>> g_direct_ends;
 
+void segment_end_of(PyObject* value, PyObject* reason) {
+  if (t_seg == 0 || (value != Py_None && value != t_last)) return;
+  t_seg = 0;
+  t_last = nullptr;
+  for (auto& [r, n] : g_direct_ends) {
+    if (r == reason) {
+      ++n;
+      return;
+    }
+  }
+  Py_INCREF(reason);
+  g_direct_ends.emplace_back(reason, 1);
+}
+
 // _fuse_segment_end(value or None, reason): a synchronization point of this thread (None: all of its work; else
 // a read of `value`); it ends the segment of an op that ran directly if there is one.
 PyObject* py_fuse_segment_end(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -192,17 +206,7 @@ PyObject* py_fuse_segment_end(PyObject*, PyObject* const* args, Py_ssize_t nargs
     PyErr_SetString(PyExc_TypeError, "torch_tpu: internal error: _fuse_segment_end(value, reason)");
     return nullptr;
   }
-  if (t_seg == 0 || (args[0] != Py_None && args[0] != t_last)) Py_RETURN_NONE;
-  t_seg = 0;
-  t_last = nullptr;
-  for (auto& [reason, n] : g_direct_ends) {
-    if (reason == args[1]) {
-      ++n;
-      Py_RETURN_NONE;
-    }
-  }
-  Py_INCREF(args[1]);
-  g_direct_ends.emplace_back(args[1], 1);
+  segment_end_of(args[0], args[1]);
   Py_RETURN_NONE;
 }
 
@@ -736,5 +740,7 @@ void direct_ran(const void* result) {
   t_seg = 1;
   t_last = result;
 }
+
+void segment_end(PyObject* value, PyObject* reason) { segment_end_of(value, reason); }
 
 }  // namespace torch_tpu

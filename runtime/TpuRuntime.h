@@ -103,6 +103,10 @@ int current_mode();
 // cache hit instead of recording it; the cache hit then reports the op it ran with direct_ran(its result).
 bool direct_dispatch();
 void direct_ran(const void* result);
+// A synchronization point of the calling thread that reads `value` (Py_None: all of its work), `reason` an interned
+// string: it ends the segment of the op that ran directly if `value` is its result (_deferred.concrete's
+// `_fuse_segment_end`; metrics count the segment as a flush for `reason`).
+void segment_end(PyObject* value, PyObject* reason);
 // _deferred.record(index, key, fn, args) for the op the graph's trace predicts (args: those four), in C++: the
 // placeholder (a new reference); nullptr with no Python error when the op must take the Python `record`.
 PyObject* fuse_record_hit(PyObject* const* args);

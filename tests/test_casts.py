@@ -1,5 +1,6 @@
 """Casts and reads to the host. aten::_to_copy on tpu (runtime/TpuCast.cpp): a cast that stays on its device, of a
-contiguous tensor, is one call of kernels/copy.py's `_cast`, a copy of one to the host one call of `_to_host`;
+contiguous tensor, is one call of kernels/copy.py's `_cast`, a copy of one to the host one call of `_to_host` (or,
+for the whole of a computed array, one host read the kernel copies from itself);
 every other form runs ATen's composite (empty_like, then copy_). And `.item()`. Each must give what CPU PyTorch
 gives, bit for bit, in each eager mode."""
 
@@ -22,8 +23,9 @@ def _restore_mode():
 
 @pytest.fixture
 def calls(monkeypatch):
-    """What the C++ kernel handed to kernels/copy.py's two functions: ("cast", shape, source dtype, dtype) for a
-    same-device cast, ("host", shape, dtype) for a copy to the host."""
+    """What the C++ kernel handed to kernels/copy.py's functions: ("cast", shape, source dtype, dtype) for a
+    same-device cast, ("host", shape, dtype) for a copy to the host through `_to_host`, ("read", shape, dtype)
+    for one the kernel made itself from the host read of a computed whole array (`host_array`)."""
     from torch_tpu import _C
     from torch_tpu.kernels import copy as copy_kernels
 
@@ -37,7 +39,12 @@ def calls(monkeypatch):
         seen.append(("host", tuple(t.shape), t.dtype))
         return copy_kernels.CASTS[1](t)
 
-    _C._set_casts(cast, to_host)
+    def host_read(a) -> object:
+        out = copy_kernels.CASTS[2](a)
+        seen.append(("read", tuple(out.shape), out.dtype))
+        return out
+
+    _C._set_casts(cast, to_host, host_read)
     yield seen
     _C._set_casts(*copy_kernels.CASTS)
 
@@ -170,7 +177,8 @@ def test_defer_and_fuse_records_the_cast() -> None:
 def test_copies_to_the_host_match_cpu_and_are_private(mode, calls) -> None:
     torch.tpu.eager_mode = getattr(EagerMode, mode)
     n = 0
-    for dtype in DTYPES + (torch.float64, torch.int16, torch.int8):
+    dtypes = DTYPES + (torch.float64, torch.int16, torch.int8)
+    for dtype in dtypes:
         c = _source(dtype, (4, 6)) if dtype != torch.int8 else _source(torch.int64, (4, 6)).to(dtype)
         t = c.to("tpu")
         views = {"whole": (t, c), "rows": (t[1:3], c[1:3]), "row": (t[2], c[2]), "0-d": (t[1, 2], c[1, 2]),
@@ -191,7 +199,14 @@ def test_copies_to_the_host_match_cpu_and_are_private(mode, calls) -> None:
         t.zero_()  # and a later write on tpu does not show through
         assert torch.equal(host, torch.zeros_like(c))
         n += 2
-    assert len(_kinds(calls, "host")) == n
+    # The whole tensor (three spellings, then the two reads of t) is read by the kernel itself, and so is a view
+    # with a lazy bit (PyTorch's Negative/Conjugate fallback hands the kernel the bit applied, a new computed
+    # array; under DEFER_AND_FUSE a recorded op still to run, which `_to_host` flushes); the other views by
+    # `_to_host`: the storage's array is another shape, or starts elsewhere.
+    reads = _kinds(calls, "read")
+    lazy = 0 if mode == "DEFER_AND_FUSE" else sum(d.is_floating_point or d.is_complex for d in dtypes)
+    assert len(reads) == 5 * len(dtypes) + 3 * lazy and all(r[1] == (4, 6) for r in reads), reads
+    assert len(_kinds(calls, "host")) == n - len(reads)
     # Not this form: a cast on the way (CPU casts after the copy), a non-contiguous source (strides kept).
     c = _source(torch.float32, (2, 3, 4))
     t = c.to("tpu")
@@ -217,16 +232,20 @@ def test_the_host_copy_reads_pending_work_and_index_errors() -> None:
 
 
 @pytest.mark.parametrize("mode", MODES[:2])
-def test_item_and_tolist_give_cpu_s_python_numbers(mode) -> None:
+def test_item_and_tolist_give_cpu_s_python_numbers(mode, calls) -> None:
     torch.tpu.eager_mode = getattr(EagerMode, mode)
     extra = (torch.float64, torch.int8, torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn,
              torch.float8_e5m2)
     for dtype in DTYPES + extra:
         c = _source(torch.float32, (2, 3)).abs().to(dtype) if dtype in extra else _source(dtype, (2, 3))
         t = c.to("tpu")
-        for tv, cv in ((t[1, 2], c[1, 2]), (t[0, :1], c[0, :1]), ((t * 1)[1, 1], (c * 1)[1, 1]) if dtype in (
-                torch.float32, torch.int64, torch.complex64) else (t[0, 0], c[0, 0])):
+        before = len(_kinds(calls, "read"))
+        # A whole one-element array (an upload, computed: the kernel reads it itself), views (`_item_host`).
+        for tv, cv in ((c[1, 2].reshape(1).to("tpu"), c[1, 2]), (t[1, 2], c[1, 2]), (t[0, :1], c[0, :1]),
+                       ((t * 1)[1, 1], (c * 1)[1, 1]) if dtype in (torch.float32, torch.int64, torch.complex64)
+                       else (t[0, 0], c[0, 0])):
             got, want = tv.item(), cv.item()
             assert type(got) is type(want) and got == want, (dtype, got, want)
+        assert len(_kinds(calls, "read")) == before + 1, dtype
         if dtype not in (torch.uint16, torch.uint32, torch.float8_e4m3fn, torch.float8_e5m2):  # (CPU has no tolist)
             assert t.tolist() == c.tolist(), dtype

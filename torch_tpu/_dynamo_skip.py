@@ -40,7 +40,8 @@ def skip_kernels() -> None:
                # (called by the C++ kernels: runtime/TpuDispatch.cpp's recorded entries, TpuMode.cpp's recorder)
                _deferred.record, _deferred._recorded, _deferred._task_started,
                *registry.DIRECT.values(),
-               *copy_kernels.CASTS]  # (aten::_to_copy's two Python forms, runtime/TpuCast.cpp)
+               # (aten::_to_copy's and _local_scalar_dense's Python halves and the host read, runtime/TpuCast.cpp)
+               *copy_kernels.CASTS, copy_kernels._item_host]
     try:  # kernels installed through DEFER_AND_FUSE's boundary wrapper: C++ calls the wrapper (one code object)
         entries.append(_executor.boundary(lambda: None, "dynamo"))
         entries.append(_executor.blocking_after(lambda: None))

@@ -524,7 +524,7 @@ def install() -> None:
                 kernel.out_names = [a.name for a in out._schema.arguments if a.is_out]
                 impl(_name(out), kernel.out, lowering.jit, "data_dependent")
     for name, fn in DIRECT.items():
-        reason = "item" if name in ("_local_scalar_dense", "equal") else f"aten::{name}"
+        reason = "item" if name == "equal" else f"aten::{name}"
         if name in DEFERRABLE:
             lib.impl(name, _executor.blocking_after(fn), "PrivateUse1")
         else:

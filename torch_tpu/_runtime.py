@@ -310,18 +310,29 @@ def upload(t: torch.Tensor, index: int) -> Any:
         raise
 
 
+_sync_hooks: tuple = ()  # (_metrics.tick, _checks.raise_pending): what every host read calls first
+
+
+def _sync_start() -> tuple:
+    """host_array's hooks, looked up once (modules above this one: imported when the first value is read)."""
+    global _sync_hooks
+    from torch_tpu import _checks, _metrics
+
+    _sync_hooks = (_metrics.tick, _checks.raise_pending)
+    return _sync_hooks
+
+
 def host_array(arr: Any) -> np.ndarray:
     """The values of the device array `arr` as a numpy array (waits for it; read-only: it may be JAX's cached host
     copy). A synchronization point: an out-of-range index of an earlier op raises here (torch_tpu/_checks.py).
     `arr` is a concrete array: a value an executor has not computed yet (a DEFER_AND_FUSE placeholder) is resolved
     by the caller first."""
-    from torch_tpu import _checks, _metrics
-
     if not hasattr(arr, "__array__"):
         raise TypeError(f"torch_tpu: internal error: a host read needs a concrete device array, got {arr!r} "
                         "(resolve an executor's placeholder before reading it)")
-    _metrics.tick()
-    _checks.raise_pending()
+    tick, raise_pending = _sync_hooks or _sync_start()
+    tick()
+    raise_pending()
     try:
         return np.asarray(arr)
     except RuntimeError:  # PJRT's RESOURCE_EXHAUSTED (of the work that computes it) becomes torch.OutOfMemoryError
