@@ -68,7 +68,7 @@ def _to_host(self: torch.Tensor, reason: str = "to_cpu") -> torch.Tensor:
     contiguous tpu tensor to the CPU with its dtype is this call (runtime/TpuCast.cpp): the download itself is the
     result, not copied once more into an empty CPU tensor as ATen's composite would; copy_ to the host casts and
     broadcasts from it. A synchronization point."""
-    out = _runtime.download(_executor.concrete(_storage.read(self), reason))
+    out = _runtime.download(_storage.read_for_host(self, reason))
     if out.dtype != self.dtype or out.shape != self.shape:  # (not expected: then exactly what copy_ gives)
         return torch.empty(self.shape, dtype=self.dtype).copy_(out)
     return out

@@ -94,6 +94,27 @@ def test_metrics_count_direct_segments_as_the_flushes_they_stand_for() -> None:
     assert m.fused_graph_runs == 6
 
 
+def test_reads_of_views_stay_direct_and_record_nothing() -> None:
+    # A host read of a view (`(x + i)[2].cpu()`, `x[i, 3].item()`) computes the storage's array and reads the view
+    # eagerly (torch_tpu/_storage.py `read_for_host`): the segment of the op that made the array ends as a read of
+    # its whole result would, and a read of a computed tensor's view flushes nothing.
+    x = torch.randn(8, 8, device="tpu")
+    xc = x.cpu()
+    (x + 1)[0].cpu()  # (DEFER_NEVER: the op's cache entry, which the direct path runs)
+    with torch.tpu.set_eager_mode(FUSE):
+        for _ in range(4):
+            (x + 1)[0].cpu()
+        assert _C._fuse_direct()
+        torch.tpu.reset_metrics()
+        for i in range(5):
+            assert torch.equal((x + i)[2].cpu(), (xc + i)[2])
+            assert x[i, 3].item() == xc[i, 3].item()
+        assert _C._fuse_direct()
+        m = torch.tpu.metrics()
+    assert m.flushes == {"to_cpu": 5}, m.flushes
+    assert m.fused_graph_runs == 5
+
+
 def test_a_segment_that_grows_records_and_fuses_again() -> None:
     x, w = torch.randn(8, 8), torch.randn(8, 8)
     xt, wt = x.tpu(), w.tpu()

@@ -251,6 +251,23 @@ def read(t: torch.Tensor) -> Any:
     return value
 
 
+def read_for_host(t: torch.Tensor, reason: str) -> Any:
+    """The value of tpu tensor `t` as a computed device array, for a read on the host (a synchronization point:
+    `.cpu()`, `.item()`; `reason` names it). Under DEFER_AND_FUSE a view (or a lazy bit) is not recorded: its
+    storage's array is computed (the graph holding it runs, or the direct one-op segment that made it ends, as a
+    read of the whole would), then the view is read now. Recording the read, only to run it at once, cost a flush
+    around the same program (`x[1, 2].item()` took 1.8-2.3x DEFER_NEVER's time) and made sync-heavy code that reads
+    views record every op (`(x + y)[0].cpu()`: a graph of two ops each time, never a one-op segment)."""
+    arr = _C._array(t)
+    if arr is None and _executor.recording() and not _executor.capturing():  # (a capture records the read)
+        base = _C._storage_array(t)[0]
+        if base is not None:
+            _executor.concrete(base, reason)
+            with _executor.eagerly():
+                return read(t)
+    return _executor.concrete(arr if arr is not None else read(t), reason)
+
+
 def _covers_whole(t: torch.Tensor, nbytes: int) -> bool:
     """`t` is its storage's every byte, in order: offset 0, contiguous, numel * element size == the storage's
     `nbytes` (a write of it replaces the storage's array; a read of it may keep its own shape as the array's)."""
