@@ -106,8 +106,8 @@ def _copy_from_and_resize(self: torch.Tensor, dst: torch.Tensor) -> torch.Tensor
 def _item_host(self: torch.Tensor) -> torch.Tensor:
     """The one-element CPU tensor aten::_local_scalar_dense (.item(), runtime/TpuCast.cpp) takes its number from,
     where the kernel does not read the array itself (a placeholder, a view, a lazy bit). As copy_ to the host: under
-    DEFER_AND_FUSE the graph holding the value runs (the read of a view is recorded into it first), not every graph
-    of the thread, and no boundary flush is paid by sync-heavy code."""
+    DEFER_AND_FUSE the graph holding the storage's value runs, not every graph of the thread, then a view is read
+    eagerly (_storage.read_for_host), and no boundary flush is paid by sync-heavy code."""
     return _to_host(self, "item")
 
 
