@@ -476,9 +476,42 @@ def pow_tensor(self: Any, exponent: Any) -> Any:
     return _pow(self, exponent)
 
 
+# pow(tensor, scalar) at the exponents PyTorch's CPU kernel (aten/src/ATen/native/cpu/PowKernel.cpp, and Pow.cpp for
+# 0 and 1) computes with exact forms instead of std::pow: x * x, x * x * x, 1 / (x * x), sqrt, 1 / sqrt, 1 / x, a copy
+# and ones. XLA's general power is exp/log based: on XLA:CPU ~20x slower than x * x (RMSNorm's `x.pow(2)` took 240 us
+# of a 13 us op) and an ulp off CPU's values. The exponent is a traced input (a new value does not recompile), so the
+# form is chosen on the device by lax.switch; a constant exponent (a compiled graph's) lets XLA fold the switch.
+# float16 and bfloat16 arrive here as float32 (opmath), so each form rounds once: CPU's bfloat16 x * x * x and
+# 1 / (x * x) round x * x to bfloat16 first (one bfloat16 ulp apart at times), and CPU's float16 0.5 / -0.5 use pow,
+# whose C semantics at -0 and -inf (pow(-0, 0.5) = +0, pow(-inf, 0.5) = +inf) differ from sqrt's (as XLA's power's
+# did before these forms).
+_POW_FORMS: tuple[tuple[float, Callable[[Any, Any], Any]], ...] = (
+    (2.0, lambda x, e: x * x),
+    (3.0, lambda x, e: x * x * x),
+    (-2.0, lambda x, e: 1 / (x * x)),
+    (0.5, lambda x, e: jnp.sqrt(x)),
+    (-0.5, lambda x, e: 1 / jnp.sqrt(x)),
+    (-1.0, lambda x, e: 1 / x),
+    (1.0, lambda x, e: x),
+    (0.0, lambda x, e: jnp.ones(x.shape, x.dtype)),
+)
+
+
+def _pow_scalar_exponent(self: Any, exponent: Any) -> Any:
+    if not _is_float(self) or jnp.ndim(exponent) != 0:
+        return _pow(self, exponent)
+    if not isinstance(exponent, jax.core.Tracer):  # a concrete exponent: the form is chosen here
+        value = float(exponent)
+        return next((form for e, form in _POW_FORMS if e == value), _pow)(self, exponent)
+    index = jnp.int32(0)
+    for k, (e, _) in enumerate(_POW_FORMS, 1):
+        index = jnp.where(exponent == e, jnp.int32(k), index)
+    return lax.switch(index, [_pow] + [form for _, form in _POW_FORMS], self, exponent)
+
+
 @lower("pow.Tensor_Scalar", promote=DEFAULT, promote_args=("self", "exponent"))
 def pow_tensor_scalar(self: Any, exponent: Any) -> Any:
-    return _pow(self, exponent)
+    return _pow_scalar_exponent(self, exponent)
 
 
 @lower("pow.Scalar", promote=DEFAULT, promote_args=("self", "exponent"))
