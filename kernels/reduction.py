@@ -302,17 +302,21 @@ def linalg_vector_norm(self: Any, ord: Any = 2, dim: Sequence[int] | None = None
     axes = _axes(self, dim)
     p = jnp.asarray(ord, a.dtype)
     kw = {"axis": axes, "keepdims": keepdim}
-    # `ord` is traced, so every branch is computed and the right one selected.
-    inf = jnp.max(a, initial=0, **kw)
-    ninf = jnp.min(a, initial=jnp.inf, **kw)
-    zero = jnp.sum((a != 0).astype(a.dtype), **kw)
-    one = jnp.sum(a, **kw)
-    two = jnp.sqrt(jnp.sum(a * a, **kw))
-    safe_p = jnp.where((p == 0) | jnp.isinf(p), 1, p)
-    general = jnp.sum(a ** safe_p, **kw) ** (1 / safe_p)
-    r = jnp.where(p == jnp.inf, inf, jnp.where(p == -jnp.inf, ninf, jnp.where(
-        p == 0, zero, jnp.where(p == 1, one, jnp.where(p == 2, two, general)))))
-    return r.astype(out_dtype)
+    # `ord` is traced (a new value does not recompile): lax.switch computes only its branch on the device. (Computing
+    # every branch and selecting one ran the general branch's exp/log power on every call: on XLA:CPU a 2-norm of
+    # 64k floats took 535 us, 28x CPU's.)
+    branches = (
+        lambda a, p: jnp.sum(a ** p, **kw) ** (1 / p),  # any other order
+        lambda a, p: jnp.max(a, initial=0, **kw),  # inf
+        lambda a, p: jnp.min(a, initial=jnp.inf, **kw),  # -inf
+        lambda a, p: jnp.sum((a != 0).astype(a.dtype), **kw),  # 0
+        lambda a, p: jnp.sum(a, **kw),  # 1
+        lambda a, p: jnp.sqrt(jnp.sum(a * a, **kw)),  # 2
+    )
+    index = jnp.int32(0)
+    for k, order in enumerate((jnp.inf, -jnp.inf, 0, 1, 2), 1):
+        index = jnp.where(p == order, jnp.int32(k), index)
+    return lax.switch(index, branches, a, p).astype(out_dtype)
 
 
 @lower("logsumexp")
