@@ -120,7 +120,8 @@ def _nan_to_max(x: Any) -> Any:
     """A sort key where every NaN compares largest and -0.0 equals 0.0 (PyTorch's ordering)."""
     if not _is_float(x):
         return x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
-    return jnp.where(jnp.isnan(x), jnp.array(jnp.nan, x.dtype), x + jnp.zeros((), x.dtype))
+    # (where, not `x + 0`: XLA folds x + 0 to x, keeping -0.0, which a total-order comparator puts below 0.0)
+    return jnp.where(jnp.isnan(x), jnp.array(jnp.nan, x.dtype), jnp.where(x == 0, jnp.zeros((), x.dtype), x))
 
 
 def _sort(x: Any, axis: int, descending: bool) -> tuple[Any, Any]:
@@ -448,8 +449,22 @@ def topk(self: Any, k: int, dim: int = -1, largest: bool = True, sorted: bool = 
         raise RuntimeError("selected index k out of range")
     if self.ndim == 0:
         return self, jnp.zeros((), jnp.int64)
+    if k > 0 and self.dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+        return _top_k(self, k, axis, largest)
     values, idx = _sort(self, axis, largest)
     return lax.slice_in_dim(values, 0, k, axis=axis), lax.slice_in_dim(idx, 0, k, axis=axis)
+
+
+def _top_k(x: Any, k: int, axis: int, largest: bool) -> tuple[Any, Any]:
+    """topk by XLA's TopK (lax.top_k) instead of a full sort: on XLA:CPU a sort of 65k floats took 12-16 ms where TopK
+    (a runtime kernel for float32) takes ~0.3 ms. The key is float32 (exact for bfloat16 and float16) with every NaN
+    largest and -0.0 equal to 0.0, negated for the smallest k (NaNs then come last); TopK puts equal keys in index
+    order, as the stable sort does. The values are gathered from `x`, so NaN payloads and signed zeros are kept."""
+    moved = jnp.moveaxis(x, axis, -1)
+    key = _nan_to_max(moved.astype(jnp.float32))
+    _, idx = lax.top_k(key if largest else -key, k)
+    values = jnp.take_along_axis(moved, idx, axis=-1)
+    return jnp.moveaxis(values, -1, axis), jnp.moveaxis(idx.astype(jnp.int64), -1, axis)
 
 
 def _select(self: Any, pos: Any, axis: int, keepdim: bool) -> tuple[Any, Any]:
