@@ -1,4 +1,5 @@
-"""Slicing copies (narrow_copy, select_scatter, slice_scatter, unfold_backward) and joining (cat)."""
+"""Slicing copies (narrow_copy, select_scatter, slice_scatter, slice_backward, select_backward, unfold_backward) and
+joining (cat)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,20 @@ def slice_scatter(self: Any, src: Any, dim: int = 0, start: int | None = None, e
         return self
     key = (slice(None),) * dim + (slice(lo, hi, step),)
     return self.at[key].set(src.astype(self.dtype))
+
+
+# The gradients of a slice and a select (autograd's SliceBackward0 / SelectBackward0): ATen's composites make zeros of
+# the input's shape and copy_ the gradient into a view of them, two programs and a copy into a view, which made a
+# Hugging Face Llama step's 8 slice_backward calls (rotate_half) cost 120 us each op by op; one program here.
+@lower("slice_backward")
+def slice_backward(grad_output: Any, input_sizes: Sequence[int], dim: int, start: int, end: int, step: int) -> Any:
+    return slice_scatter(jnp.zeros(tuple(int(s) for s in input_sizes), grad_output.dtype), grad_output, dim, start,
+                         end, step)
+
+
+@lower("select_backward")
+def select_backward(grad_output: Any, input_sizes: Sequence[int], dim: int, index: int) -> Any:
+    return select_scatter(jnp.zeros(tuple(int(s) for s in input_sizes), grad_output.dtype), grad_output, dim, index)
 
 
 # ---- joining ----
