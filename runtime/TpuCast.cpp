@@ -53,10 +53,14 @@ bool same_device_cast(const at::Tensor& self, std::optional<at::ScalarType> dtyp
                                  (!device->has_index() || device->index() == self.device().index()));
 }
 
-// The tensor `fn(args...)` returned (a new reference), or the Python error thrown.
-at::Tensor tensor_from(PyObject* r) {
-  if (r == nullptr) throw python_error();
-  auto out = py::reinterpret_steal<py::object>(r);
+// The tensor a Python half returns for `self`: `fn(self)`, or `fn(self, extra)` (the GIL held), or the Python error
+// it raised.
+at::Tensor call_python(PyObject* fn, const at::Tensor& self, PyObject* extra = nullptr) {
+  auto t = py::reinterpret_steal<py::object>(THPVariable_Wrap(self));
+  if (!t) throw python_error();
+  auto out = py::reinterpret_steal<py::object>(extra == nullptr ? PyObject_CallOneArg(fn, t.ptr())
+                                                                : PyObject_CallFunctionObjArgs(fn, t.ptr(), extra, nullptr));
+  if (!out) throw python_error();
   TORCH_CHECK(THPVariable_Check(out.ptr()), "torch_tpu: internal error: a tpu copy returned ",
               Py_TYPE(out.ptr())->tp_name, ", not a tensor");
   return THPVariable_Unpack(out.ptr());
@@ -97,10 +101,7 @@ at::Tensor to_copy_tpu(const at::Tensor& self, std::optional<at::ScalarType> dty
   if (keeps_layout(self, layout, pin_memory, memory_format)) {
     if (g_cast != nullptr && same_device_cast(self, dtype, device)) {
       py::gil_scoped_acquire gil;
-      auto t = py::reinterpret_steal<py::object>(THPVariable_Wrap(self));
-      if (!t) throw python_error();
-      return tensor_from(PyObject_CallFunctionObjArgs(
-          g_cast, t.ptr(), reinterpret_cast<PyObject*>(torch::getTHPDtype(*dtype)), nullptr));
+      return call_python(g_cast, self, reinterpret_cast<PyObject*>(torch::getTHPDtype(*dtype)));
     }
     if (g_to_host != nullptr && device.has_value() && device->is_cpu() &&
         (!dtype.has_value() || *dtype == self.scalar_type())) {
@@ -108,10 +109,7 @@ at::Tensor to_copy_tpu(const at::Tensor& self, std::optional<at::ScalarType> dty
       py::gil_scoped_acquire gil;
       static PyObject* reason = PyUnicode_InternFromString("to_cpu");  // (the reason _to_host gives: one object)
       at::Tensor out = to_host_direct(self, reason);
-      if (out.defined()) return out;
-      auto t = py::reinterpret_steal<py::object>(THPVariable_Wrap(self));
-      if (!t) throw python_error();
-      return tensor_from(PyObject_CallFunctionObjArgs(g_to_host, t.ptr(), nullptr));
+      return out.defined() ? out : call_python(g_to_host, self);
     }
   }
   return at::native::_to_copy(self, dtype, layout, device, pin_memory, non_blocking, memory_format);
@@ -132,9 +130,7 @@ c10::Scalar local_scalar_dense_tpu(const at::Tensor& self) {
     if (!host.defined()) {
       TORCH_CHECK(g_item != nullptr, "torch_tpu: internal error: .item() of a tpu tensor before kernels/copy.py set "
                   "its Python half (_C._set_item)");
-      auto t = py::reinterpret_steal<py::object>(THPVariable_Wrap(self));
-      if (!t) throw python_error();
-      host = tensor_from(PyObject_CallOneArg(g_item, t.ptr()));
+      host = call_python(g_item, self);
     }
   }
   return at::_local_scalar_dense(host);

@@ -185,7 +185,9 @@ PyObject* py_fuse_recorded(PyObject*, PyObject*) {
 // written with the GIL held; counted here because a Python counter under a lock costs as much as the op.
 std::vector<std::pair<PyObject*, int64_t>> g_direct_ends;
 
-void segment_end_of(PyObject* value, PyObject* reason) {
+}  // namespace
+
+void segment_end(PyObject* value, PyObject* reason) {
   if (t_seg == 0 || (value != Py_None && value != t_last)) return;
   t_seg = 0;
   t_last = nullptr;
@@ -199,6 +201,8 @@ void segment_end_of(PyObject* value, PyObject* reason) {
   g_direct_ends.emplace_back(reason, 1);
 }
 
+namespace {
+
 // _fuse_segment_end(value or None, reason): a synchronization point of this thread (None: all of its work; else
 // a read of `value`); it ends the segment of an op that ran directly if there is one.
 PyObject* py_fuse_segment_end(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -206,7 +210,7 @@ PyObject* py_fuse_segment_end(PyObject*, PyObject* const* args, Py_ssize_t nargs
     PyErr_SetString(PyExc_TypeError, "torch_tpu: internal error: _fuse_segment_end(value, reason)");
     return nullptr;
   }
-  segment_end_of(args[0], args[1]);
+  segment_end(args[0], args[1]);
   Py_RETURN_NONE;
 }
 
@@ -741,6 +745,5 @@ void direct_ran(const void* result) {
   t_last = result;
 }
 
-void segment_end(PyObject* value, PyObject* reason) { segment_end_of(value, reason); }
 
 }  // namespace torch_tpu
