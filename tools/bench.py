@@ -109,6 +109,65 @@ def bench_op_overhead() -> None:
               f"  -> tpu/jit {r['tpu'] / r['jit']:.2f}x, tpu/cpu {r['tpu'] / r['cpu']:.2f}x")
 
 
+def bench_ops(calls: int = 20, trials: int = 5) -> None:
+    """Per-op time of common model ops on a (4, 64, 256) float32 activation: tpu (DEFER_NEVER, each call waited for)
+    next to torch CPU eager, interleaved, sorted by the ratio. It finds the lowerings XLA runs slowly (XLA:CPU's
+    exp/log power made RMSNorm's x.pow(2) 36x CPU's; a full sort for topk 55x) and shows what they cost now."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    hc = torch.randn(4, 64, 256, generator=g)
+    pc = torch.rand(4, 64, 256, generator=g) + 0.1
+    ic = torch.randint(0, 100, (4, 64, 256), generator=g)
+    gc = torch.randn(4, 64, 128, generator=g)
+    vc = torch.randn(4, 32000, generator=g)
+    cpu = {"h": hc, "p": pc, "i": ic, "g": gc, "v": vc}
+    tpu = {k: v.to("tpu") for k, v in cpu.items()}
+    ops: dict[str, Callable[[dict], Any]] = {
+        "x.pow(2)": lambda t: t["h"].pow(2),
+        "x.pow(0.5)": lambda t: t["p"].pow(0.5),
+        "x.pow(2.5)": lambda t: t["p"].pow(2.5),
+        "x * x": lambda t: t["h"] * t["h"],
+        "x * 0.5": lambda t: t["h"] * 0.5,
+        "x / y": lambda t: t["h"] / t["p"],
+        "rsqrt": lambda t: torch.rsqrt(t["p"]),
+        "exp": lambda t: torch.exp(t["h"]),
+        "tanh": lambda t: torch.tanh(t["h"]),
+        "silu": lambda t: F.silu(t["h"]),
+        "gelu": lambda t: F.gelu(t["h"]),
+        "sin": lambda t: torch.sin(t["h"]),
+        "clamp": lambda t: t["h"].clamp(-1, 1),
+        "mean(-1)": lambda t: t["h"].mean(-1),
+        "norm(dim=-1)": lambda t: t["h"].norm(dim=-1),
+        "softmax": lambda t: torch.softmax(t["h"], -1),
+        "layer_norm": lambda t: F.layer_norm(t["h"], (256,)),
+        "rms_norm": lambda t: F.rms_norm(t["h"], (256,)),
+        "cumsum": lambda t: t["h"].cumsum(-1),
+        "argmax": lambda t: t["h"].argmax(-1),
+        "topk(5)": lambda t: t["h"].topk(5, -1)[0],
+        "topk(50) of 32000": lambda t: t["v"].topk(50, -1)[0],
+        "sort": lambda t: t["h"].sort(-1)[0],
+        "int x // 7": lambda t: t["i"] // 7,
+        "slice_backward": lambda t: torch.ops.aten.slice_backward(t["g"], [4, 64, 256], 2, 0, 128, 1),
+    }
+    fns: dict[str, Callable[[], object]] = {}
+    for name, op in ops.items():
+        fns[f"tpu {name}"] = lambda op=op: op(tpu).cpu()
+        fns[f"cpu {name}"] = lambda op=op: op(cpu)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (CPU eager on one thread: steadier beside XLA's own threads, as row f's "cpu 1 thread")
+    try:
+        r = _interleaved(fns, calls=calls, trials=trials)
+    finally:
+        torch.set_num_threads(threads)
+    print(f"ops  (4, 64, 256) float32, DEFER_NEVER, each tpu call read back, CPU eager on 1 thread  "
+          f"platform={torch.tpu.get_device_name()}")
+    rows = sorted(ops, key=lambda n: r[f"tpu {n}"] / r[f"cpu {n}"], reverse=True)
+    for name in rows:
+        t, c = r[f"tpu {name}"], r[f"cpu {name}"]
+        print(f"  {name:<18} tpu {t:9.1f} us  cpu {c:9.1f} us  -> tpu/cpu {t / c:6.2f}x")
+
+
 def bench_training() -> None:
     """Training steps per second of the MLP and GPT examples on tpu (DEFER_NEVER, op by op) next to torch CPU
     eager, same model and data, measured after warm-up (compilation excluded)."""
@@ -1550,7 +1609,8 @@ def bench_sdpa(L: int = 4096, heads: int = 2, head_dim: int = 64, trials: int = 
     print(f"  ratio blocked / math XLA temp    : {temp['blocked (fused op)'] / temp['math']:.3f}x  (target < 0.25)")
 
 
-BENCHMARKS = {"eager_overhead": bench_eager_overhead, "op_overhead": bench_op_overhead, "training": bench_training,
+BENCHMARKS = {"eager_overhead": bench_eager_overhead, "op_overhead": bench_op_overhead, "ops": bench_ops,
+              "training": bench_training,
               "fuse": bench_fuse, "cold_start": bench_cold_start, "compile": bench_compile,
               "all_reduce": bench_all_reduce, "index_checks": bench_index_checks,
               "threads": bench_threads, "profiler": bench_profiler, "host": bench_host, "streams": bench_streams,
