@@ -479,7 +479,7 @@ def pow_tensor(self: Any, exponent: Any) -> Any:
 # pow(tensor, scalar) at the exponents PyTorch's CPU kernel (aten/src/ATen/native/cpu/PowKernel.cpp, and Pow.cpp for
 # 0 and 1) computes with exact forms instead of std::pow: x * x, x * x * x, 1 / (x * x), sqrt, 1 / sqrt, 1 / x, a copy
 # and ones. On XLA:CPU, XLA's general power (exp/log based) is ~20x slower than x * x (RMSNorm's `x.pow(2)` took
-# 240 us of a 13 us op) and an ulp off CPU's values, so there the form is chosen on the device by lax.switch on the
+# 240 us where x * x takes 13 us) and an ulp off CPU's values, so there the form is chosen on the device by lax.switch on the
 # traced exponent (a new value does not recompile). On TPU power is cheap and fuses with its neighbours, which a
 # conditional prevents: measured on a v5e, RMSNorm of an (8, 2048, 4096) bfloat16 activation took 1204 us with power,
 # 1425 us with the switch (and 1937 us selecting among all forms), so other platforms keep power.

@@ -471,9 +471,9 @@ def topk(self: Any, k: int, dim: int = -1, largest: bool = True, sorted: bool = 
 def _top_k(x: Any, k: int, axis: int, largest: bool) -> tuple[Any, Any]:
     """topk by XLA's TopK (lax.top_k) instead of a full sort: on XLA:CPU a sort of 65k floats took 12-16 ms where TopK
     (a runtime kernel for float32) takes ~0.3 ms; on a TPU v5e the top 50 of 64 rows of 128256 took 2.7 ms against
-    11.6 ms sorted. The key is float32 (exact for bfloat16 and float16) with every NaN
-    largest and -0.0 equal to 0.0, negated for the smallest k (NaNs then come last); TopK puts equal keys in index
-    order, as the stable sort does. The values are gathered from `x`, so NaN payloads and signed zeros are kept."""
+    11.6 ms sorted. The key is float32 (exact for bfloat16 and float16) with every NaN largest and -0.0 equal to 0.0,
+    negated for the smallest k (NaNs then come last); TopK puts equal keys in index order, as the stable sort does.
+    The values are gathered from `x`, so NaN payloads and signed zeros are kept."""
     moved = jnp.moveaxis(x, axis, -1)
     key = _nan_to_max(moved.astype(jnp.float32))
     _, idx = lax.top_k(key if largest else -key, k)
