@@ -479,8 +479,8 @@ def pow_tensor(self: Any, exponent: Any) -> Any:
 # pow(tensor, scalar) at the exponents PyTorch's CPU kernel (aten/src/ATen/native/cpu/PowKernel.cpp, and Pow.cpp for
 # 0 and 1) computes with exact forms instead of std::pow: x * x, x * x * x, 1 / (x * x), sqrt, 1 / sqrt, 1 / x, a copy
 # and ones. On XLA:CPU, XLA's general power (exp/log based) is ~20x slower than x * x (RMSNorm's `x.pow(2)` took
-# 240 us where x * x takes 13 us) and an ulp off CPU's values, so there the form is chosen on the device by lax.switch on the
-# traced exponent (a new value does not recompile). On TPU power is cheap and fuses with its neighbours, which a
+# 240 us where x * x takes 13 us) and an ulp off CPU's values, so there the form is chosen on the device by
+# lax.switch on the traced exponent (a new value does not recompile). On TPU power is cheap and fuses with its neighbours, which a
 # conditional prevents: measured on a v5e, RMSNorm of an (8, 2048, 4096) bfloat16 activation took 1204 us with power,
 # 1425 us with the switch (and 1937 us selecting among all forms), so other platforms keep power.
 # float16 and bfloat16 arrive here as float32 (opmath), so each form rounds once: CPU's bfloat16 x * x * x and
@@ -502,9 +502,6 @@ _POW_FORMS: tuple[tuple[float, Callable[[Any, Any], Any]], ...] = (
 def _pow_scalar_exponent(self: Any, exponent: Any) -> Any:
     if not _is_float(self) or jnp.ndim(exponent) != 0 or _runtime.platform() != "cpu":
         return _pow(self, exponent)
-    if not isinstance(exponent, jax.core.Tracer):  # a concrete exponent: the form is chosen here
-        value = float(exponent)
-        return next((form for e, form in _POW_FORMS if e == value), _pow)(self, exponent)
     index = jnp.int32(0)
     for k, (e, _) in enumerate(_POW_FORMS, 1):
         index = jnp.where(exponent == e, jnp.int32(k), index)

@@ -58,8 +58,8 @@ bool same_device_cast(const at::Tensor& self, std::optional<at::ScalarType> dtyp
 at::Tensor call_python(PyObject* fn, const at::Tensor& self, PyObject* extra = nullptr) {
   auto t = py::reinterpret_steal<py::object>(THPVariable_Wrap(self));
   if (!t) throw python_error();
-  auto out = py::reinterpret_steal<py::object>(extra == nullptr ? PyObject_CallOneArg(fn, t.ptr())
-                                                                : PyObject_CallFunctionObjArgs(fn, t.ptr(), extra, nullptr));
+  auto out = py::reinterpret_steal<py::object>(
+      extra == nullptr ? PyObject_CallOneArg(fn, t.ptr()) : PyObject_CallFunctionObjArgs(fn, t.ptr(), extra, nullptr));
   if (!out) throw python_error();
   TORCH_CHECK(THPVariable_Check(out.ptr()), "torch_tpu: internal error: a tpu copy returned ",
               Py_TYPE(out.ptr())->tp_name, ", not a tensor");

@@ -185,24 +185,6 @@ PyObject* py_fuse_recorded(PyObject*, PyObject*) {
 // written with the GIL held; counted here because a Python counter under a lock costs as much as the op.
 std::vector<std::pair<PyObject*, int64_t>> g_direct_ends;
 
-}  // namespace
-
-void segment_end(PyObject* value, PyObject* reason) {
-  if (t_seg == 0 || (value != Py_None && value != t_last)) return;
-  t_seg = 0;
-  t_last = nullptr;
-  for (auto& [r, n] : g_direct_ends) {
-    if (r == reason) {
-      ++n;
-      return;
-    }
-  }
-  Py_INCREF(reason);
-  g_direct_ends.emplace_back(reason, 1);
-}
-
-namespace {
-
 // _fuse_segment_end(value or None, reason): a synchronization point of this thread (None: all of its work; else
 // a read of `value`); it ends the segment of an op that ran directly if there is one.
 PyObject* py_fuse_segment_end(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -745,5 +727,18 @@ void direct_ran(const void* result) {
   t_last = result;
 }
 
+void segment_end(PyObject* value, PyObject* reason) {
+  if (t_seg == 0 || (value != Py_None && value != t_last)) return;
+  t_seg = 0;
+  t_last = nullptr;
+  for (auto& [r, n] : g_direct_ends) {
+    if (r == reason) {
+      ++n;
+      return;
+    }
+  }
+  Py_INCREF(reason);
+  g_direct_ends.emplace_back(reason, 1);
+}
 
 }  // namespace torch_tpu
