@@ -13,6 +13,7 @@ from torch_tpu import _runtime
 from torch_tpu._checks import report_bad_index
 from torch_tpu._jax import jax, jnp, lax
 from torch_tpu.kernels._promote import dtype_name, result_dtype
+from torch_tpu.kernels.math import _sqrt
 from torch_tpu.kernels.registry import direct, lower
 
 # ---- shared helpers ----
@@ -276,7 +277,7 @@ def var(self: Any, dim: Sequence[int] | None = None, correction: Any = None, kee
 @lower("std.correction")
 def std(self: Any, dim: Sequence[int] | None = None, correction: Any = None, keepdim: bool = False) -> Any:
     v = _var_mean("std", self, dim, correction, keepdim)[0]
-    return jnp.sqrt(_opmath(v)).astype(v.dtype)
+    return _sqrt(_opmath(v)).astype(v.dtype)
 
 
 @lower("var_mean.correction")
@@ -287,7 +288,7 @@ def var_mean(self: Any, dim: Sequence[int] | None = None, correction: Any = None
 @lower("std_mean.correction")
 def std_mean(self: Any, dim: Sequence[int] | None = None, correction: Any = None, keepdim: bool = False) -> tuple[Any, Any]:
     v, m = _var_mean("std_mean", self, dim, correction, keepdim)
-    return jnp.sqrt(_opmath(v)).astype(v.dtype), m
+    return _sqrt(_opmath(v)).astype(v.dtype), m
 
 
 @lower("linalg_vector_norm")

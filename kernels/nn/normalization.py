@@ -10,9 +10,10 @@ from typing import Any, Sequence
 import torch
 
 from torch_tpu import _executor, _runtime, _storage
-from torch_tpu._jax import jnp, lax
+from torch_tpu._jax import jnp
 from torch_tpu.kernels.nn._common import _is_low, _masked, _opmath
 from torch_tpu.kernels._promote import dtype_name, wrap_arrays, write_outs
+from torch_tpu.kernels.math import _rsqrt
 from torch_tpu.kernels.registry import direct, lower
 
 
@@ -68,7 +69,7 @@ def _batch_norm_math(
         n = x.size // x.shape[1] if x.shape[1] else 0
         mean = jnp.mean(x, axis=axes)
         var = jnp.mean(jnp.square(x - mean.reshape(cs)), axis=axes)
-        invstd = lax.rsqrt(var + eps)
+        invstd = _rsqrt(var + eps)
         y = (x - mean.reshape(cs)) * invstd.reshape(cs)
         if running_mean is not None:
             new_rm = ((1 - momentum) * _opmath(running_mean) + momentum * mean).astype(running_mean.dtype)
@@ -79,7 +80,7 @@ def _batch_norm_math(
     else:
         if running_mean is None or running_var is None:
             raise RuntimeError("running_mean and running_var must be defined in evaluation mode")
-        invstd = lax.rsqrt(_opmath(running_var) + eps)
+        invstd = _rsqrt(_opmath(running_var) + eps)
         y = (x - _opmath(running_mean).reshape(cs)) * invstd.reshape(cs)
         save_mean = save_invstd = jnp.zeros((0,), stat)
     if weight is not None:
@@ -196,7 +197,7 @@ def native_batch_norm_backward(
     if train:
         mean, invstd = _opmath(save_mean), _opmath(save_invstd)
     else:
-        mean, invstd = _opmath(running_mean), lax.rsqrt(_opmath(running_var) + eps)
+        mean, invstd = _opmath(running_mean), _rsqrt(_opmath(running_var) + eps)
     w = _opmath(weight) if weight is not None else jnp.ones((x.shape[1],), x.dtype)
     xhat = (x - mean.reshape(cs)) * invstd.reshape(cs)
     sum_g = jnp.sum(g, axis=axes)
@@ -274,7 +275,7 @@ def layer_norm_reference(
     axes = tuple(range(axis, x.ndim))
     mean = jnp.mean(x, axis=axes, keepdims=True)
     var = jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
-    rstd = lax.rsqrt(var + eps)
+    rstd = _rsqrt(var + eps)
     y = (x - mean) * rstd
     if weight is not None:
         y = y * _opmath(weight)
@@ -329,7 +330,7 @@ def rms_norm_reference(input: Any, normalized_shape: Sequence[int], weight: Any,
     axis = rms_norm_check(input, normalized_shape, weight)
     x = _opmath(input)
     axes = tuple(range(axis, x.ndim))
-    rstd = lax.rsqrt(jnp.mean(jnp.square(x), axis=axes, keepdims=True) + rms_norm_eps(input, eps))
+    rstd = _rsqrt(jnp.mean(jnp.square(x), axis=axes, keepdims=True) + rms_norm_eps(input, eps))
     y = x * rstd
     if weight is not None:
         y = y * _opmath(weight)
@@ -365,7 +366,7 @@ def native_group_norm(
     xr = x.reshape(N, group, (C // group) * HxW)
     mean = jnp.mean(xr, axis=-1)
     var = jnp.mean(jnp.square(xr - mean[..., None]), axis=-1)
-    rstd = lax.rsqrt(var + eps)
+    rstd = _rsqrt(var + eps)
     y = ((xr - mean[..., None]) * rstd[..., None]).reshape(x.shape)
     cs = (1, C) + (1,) * (x.ndim - 2)
     if weight is not None:
