@@ -1,5 +1,5 @@
-"""topk through XLA's TopK (float32, bfloat16, float16) and vector norms whose order is chosen on the device, against
-CPU PyTorch. tpu's topk orders equal elements by index (a stable order), so its oracle is CPU's stable sort cut to k:
+"""topk through XLA's TopK (float32, bfloat16, float16), sort through one packed key per element on XLA:CPU, and
+vector norms whose order is chosen on the device, against CPU PyTorch. tpu's topk orders equal elements by index (a stable order), so its oracle is CPU's stable sort cut to k:
 values and indices bit for bit, NaN (either sign) largest, -0.0 equal to 0.0 and returned as itself."""
 
 from __future__ import annotations
@@ -48,6 +48,55 @@ def test_topk_is_the_stable_sort_cut_to_k(dtype: torch.dtype, mode: str) -> None
                     assert _bits_equal(v.double(), want_v.double()), case
                 else:
                     assert torch.equal(v, want_v), case
+
+
+SORT_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int16, torch.int8,
+               torch.uint8, torch.bool, torch.int64]
+
+
+def _sort_input(dtype: torch.dtype) -> torch.Tensor:
+    if dtype.is_floating_point:
+        return _edge_rows(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (7, 48), generator=torch.Generator().manual_seed(2)).bool()
+    info = torch.iinfo(dtype)
+    x = torch.randint(max(info.min, -20), min(info.max, 20), (7, 48), generator=torch.Generator().manual_seed(2))
+    x = x.to(dtype)
+    x[0, 0], x[0, 1], x[1, 5] = info.min, info.max, info.min  # the ends of the range (the key's offset)
+    return x
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", SORT_DTYPES, ids=str)
+def test_sort_and_argsort_are_cpus_stable_sort(dtype: torch.dtype, mode: str) -> None:
+    # XLA:CPU sorts dtypes of up to 32 bits as one uint64 per element (order key, index): values and indices must
+    # be CPU's stable sort bit for bit, NaNs of both signs last (first descending), -0.0 tied with 0.0 by index
+    x = _sort_input(dtype)
+    for dim in (1, 0):
+        for descending in (False, True):
+            with torch.tpu.set_eager_mode(mode):
+                t = x.to("tpu")
+                v, i = torch.sort(t, dim=dim, descending=descending, stable=True)
+                a = torch.argsort(t, dim=dim, descending=descending, stable=True)
+                v, i, a = v.cpu(), i.cpu(), a.cpu()
+            want_v, want_i = torch.sort(x, dim=dim, descending=descending, stable=True)
+            assert torch.equal(i, want_i), (dim, descending)
+            assert torch.equal(a, want_i), (dim, descending)
+            assert _bits_equal(v, want_v) if dtype.is_floating_point else torch.equal(v, want_v), (dim, descending)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32], ids=str)
+def test_sort_of_a_vocabulary_row_and_its_uses(dtype: torch.dtype) -> None:
+    # top-p sampling's sort of a vocabulary-sized row; median, kthvalue and unique take the same sort
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 32000, generator=g) * 100).to(dtype)
+    t = x.to("tpu")
+    v, i = torch.sort(t, descending=True)
+    want_v, want_i = torch.sort(x, descending=True, stable=True)
+    assert torch.equal(v.cpu(), want_v) and torch.equal(i.cpu(), want_i)
+    assert torch.equal(t.median(dim=-1).values.cpu(), x.median(dim=-1).values)
+    assert torch.equal(t.kthvalue(100, dim=-1).values.cpu(), x.kthvalue(100, dim=-1).values)
+    assert torch.equal(torch.unique(t).cpu(), torch.unique(x))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
