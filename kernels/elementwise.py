@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch_tpu import _runtime
 from torch_tpu._jax import jnp, lax
 from torch_tpu.kernels.registry import ALWAYS_BOOL, COMPLEX_TO_FLOAT, DEFAULT, INT_TO_FLOAT, lower
 
@@ -55,20 +56,34 @@ def _div_kind(rounding_mode: str | None = None, **_: Any) -> Any:
     return INT_TO_FLOAT if rounding_mode is None else DEFAULT
 
 
+def _true_divide(self: Any, other: Any) -> Any:
+    """self / other, divided as CPU PyTorch divides. XLA's simplifier turns a division by a broadcast value (a
+    scalar, a 0-d tensor, a keepdim reduction) into a multiplication by its reciprocal, which differs from the
+    quotient by an ulp in ~9% of float32 elements (`x / 0.7`). On XLA:CPU the broadcast divisor sits behind an
+    optimization barrier, so the simplifier leaves the division alone (the barrier is gone before fusion: one loop,
+    same speed). A TPU divides approximately anyway: plain there."""
+    shape = jnp.broadcast_shapes(jnp.shape(self), jnp.shape(other))
+    if jnp.shape(other) == shape or _runtime.platform() != "cpu":
+        return self / other
+    dtype = jnp.result_type(self, other)
+    return jnp.broadcast_to(jnp.asarray(self).astype(dtype), shape) / lax.optimization_barrier(
+        jnp.broadcast_to(jnp.asarray(other).astype(dtype), shape))
+
+
 @lower("div.Tensor", "div.Scalar", promote=INT_TO_FLOAT)
 def div(self: Any, other: Any) -> Any:
-    return self / other
+    return _true_divide(self, other)
 
 
 @lower("div.Tensor_mode", "div.Scalar_mode", promote=_div_kind)
 def div_mode(self: Any, other: Any, rounding_mode: str | None = None) -> Any:
     if rounding_mode is None:
-        return self / other
+        return _true_divide(self, other)
     if rounding_mode == "trunc":
         if _is_int(self):
             a, b = jnp.broadcast_arrays(self, other)
             return lax.div(a, b)
-        return jnp.trunc(self / other)
+        return jnp.trunc(_true_divide(self, other))
     if rounding_mode == "floor":
         return jnp.floor_divide(self, other)
     raise RuntimeError(
