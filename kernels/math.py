@@ -124,7 +124,6 @@ _unary("log", lambda x: jnp.log(x))
 _unary("log2", lambda x: jnp.log2(x))
 _unary("log10", lambda x: jnp.log10(x))
 _unary("log1p", lambda x: jnp.log1p(x))
-_unary("sqrt", lambda x: _sqrt(x))
 
 
 def _sqrt(x: Any) -> Any:
@@ -141,11 +140,14 @@ def _sqrt(x: Any) -> Any:
 def _rsqrt(x: Any) -> Any:
     """1 / sqrt(x), as PyTorch's CPU kernel computes it (two roundings): on XLA:CPU it equals CPU's values bit for
     bit except for subnormal inputs (flushed to zero)."""
-    if _is_complex(x) or _runtime.platform() != "cpu":
-        return 1 / jnp.sqrt(x) if _is_complex(x) else lax.rsqrt(x)
+    if _is_complex(x):
+        return 1 / jnp.sqrt(x)
+    if _runtime.platform() != "cpu":
+        return lax.rsqrt(x)
     return 1 / _sqrt(x)
 
 
+_unary("sqrt", _sqrt)
 _unary("rsqrt", _rsqrt)
 _unary("sin", lambda x: jnp.sin(x))
 _unary("cos", lambda x: jnp.cos(x))
