@@ -29,6 +29,32 @@ _fork_hook = False
 PLATFORMS = ("cpu", "tpu", "cuda")
 
 
+# XLA:CPU flags torch_tpu needs, added to XLA_FLAGS before JAX creates a backend (unless XLA_FLAGS sets the flag).
+# This jaxlib's XLA:CPU runs max and min reductions as YNNPACK fusions by default ("individual_dot,reduce"), and
+# those drop NaNs: jnp.max over 64 rows of 256 with NaNs in every row returned no NaN, so torch.amax / max / min
+# returned the largest number where CPU returns nan (a wrong value, silently). Its dot fusions are kept.
+XLA_CPU_FLAGS = {"xla_cpu_experimental_ynn_fusion_type": "individual_dot"}
+
+
+def _add_xla_flags() -> None:
+    import warnings
+
+    from jax._src import xla_bridge
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    missing = {k: v for k, v in XLA_CPU_FLAGS.items() if f"--{k}=" not in flags}
+    if not missing:
+        return
+    if xla_bridge.backends_are_initialized():
+        warnings.warn(
+            "torch_tpu: JAX started its backends before torch_tpu, so XLA:CPU runs without "
+            + " ".join(f"--{k}={v}" for k, v in missing.items())
+            + ": its max/min reductions may drop NaNs. Set XLA_FLAGS to include it before the first JAX use.",
+            RuntimeWarning, stacklevel=3)
+        return
+    os.environ["XLA_FLAGS"] = " ".join([flags] * bool(flags) + [f"--{k}={v}" for k, v in missing.items()])
+
+
 def configure_jax() -> None:
     """Process-wide JAX settings, applied once before JAX creates a backend."""
     global _configured
@@ -41,6 +67,7 @@ def configure_jax() -> None:
 
         # Before libtpu starts: each torchrun worker on a multi-chip TPU host gets its own chips.
         _topology.apply()
+        _add_xla_flags()
         import jax
 
         # int64 and float64 tensors need JAX's x64 mode.
