@@ -503,9 +503,9 @@ def pow_tensor(self: Any, exponent: Any) -> Any:
 # 0 and 1) computes with exact forms instead of std::pow: x * x, x * x * x, 1 / (x * x), sqrt, 1 / sqrt, 1 / x, a copy
 # and ones. On XLA:CPU, XLA's general power (exp/log based) is ~20x slower than x * x (RMSNorm's `x.pow(2)` took
 # 240 us where x * x takes 13 us) and an ulp off CPU's values, so there the form is chosen on the device by
-# lax.switch on the traced exponent (a new value does not recompile). On TPU power is cheap and fuses with its neighbours, which a
-# conditional prevents: measured on a v5e, RMSNorm of an (8, 2048, 4096) bfloat16 activation took 1204 us with power,
-# 1425 us with the switch (and 1937 us selecting among all forms), so other platforms keep power.
+# lax.switch on the traced exponent (a new value does not recompile). On TPU power is cheap and fuses with its
+# neighbours, which a conditional prevents: measured on a v5e, RMSNorm of an (8, 2048, 4096) bfloat16 activation took
+# 1204 us with power, 1425 us with the switch (and 1937 us selecting among all forms), so other platforms keep power.
 # float16 and bfloat16 arrive here as float32 (opmath), so each form rounds once: CPU's bfloat16 x * x * x and
 # 1 / (x * x) round x * x to bfloat16 first (one bfloat16 ulp apart at times), and CPU's float16 0.5 / -0.5 use pow,
 # whose C semantics at -0 and -inf (pow(-0, 0.5) = +0, pow(-inf, 0.5) = +inf) differ from sqrt's (as XLA's power's

@@ -422,10 +422,11 @@ def cumsum(self: Any, dim: int, dtype: Any = None) -> Any:
     if _runtime.platform() != "cpu" or x.shape[axis] < 2:
         return jnp.cumsum(_opmath(x), axis=axis).astype(x.dtype)
     # XLA:CPU: a parallel prefix (associative_scan) in CPU PyTorch's accumulation type (its acc_type: float64 for
-    # float32, complex128 for complex64, float32 for bfloat16 and float16). jnp.cumsum's reduce-window form took 330 us for a row of 32000
-    # float32 where this takes 140 us (CPU: 40 us), and its float32 sums differed from CPU's in half the
-    # elements; summed in float64 and rounded once, they equal CPU's sequential double sums.
-    acc = {jnp.dtype(jnp.float32): jnp.float64, jnp.dtype(jnp.complex64): jnp.complex128}.get(x.dtype, _opmath(x).dtype)
+    # float32, complex128 for complex64, float32 for bfloat16 and float16). jnp.cumsum's reduce-window form took
+    # 330 us for a row of 32000 float32 where this takes 140 us (CPU: 40 us), and its float32 sums differed from
+    # CPU's in half the elements; summed in float64 and rounded once, they equal CPU's sequential double sums.
+    acc = {jnp.dtype(jnp.float32): jnp.float64, jnp.dtype(jnp.complex64): jnp.complex128}.get(x.dtype,
+                                                                                             _opmath(x).dtype)
     return lax.associative_scan(jnp.add, x.astype(acc), axis=axis).astype(x.dtype)
 
 

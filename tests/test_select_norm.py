@@ -1,6 +1,7 @@
-"""topk through XLA's TopK (float32, bfloat16, float16), sort through one packed key per element on XLA:CPU, and
-vector norms whose order is chosen on the device, against CPU PyTorch. tpu's topk orders equal elements by index (a stable order), so its oracle is CPU's stable sort cut to k:
-values and indices bit for bit, NaN (either sign) largest, -0.0 equal to 0.0 and returned as itself."""
+"""topk through XLA's TopK (float32, bfloat16, float16), sort through one packed key per element on XLA:CPU, and vector
+norms whose order is chosen on the device, against CPU PyTorch. tpu's topk orders equal elements by index (a stable
+order), so its oracle is CPU's stable sort cut to k: values and indices bit for bit, NaN (either sign) largest, -0.0
+equal to 0.0 and returned as itself."""
 
 from __future__ import annotations
 

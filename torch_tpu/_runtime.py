@@ -42,17 +42,16 @@ def _add_xla_flags() -> None:
     from jax._src import xla_bridge
 
     flags = os.environ.get("XLA_FLAGS", "")
-    missing = {k: v for k, v in XLA_CPU_FLAGS.items() if f"--{k}=" not in flags}
+    missing = " ".join(f"--{k}={v}" for k, v in XLA_CPU_FLAGS.items() if f"--{k}=" not in flags)
     if not missing:
         return
     if xla_bridge.backends_are_initialized():
         warnings.warn(
-            "torch_tpu: JAX started its backends before torch_tpu, so XLA:CPU runs without "
-            + " ".join(f"--{k}={v}" for k, v in missing.items())
-            + ": its max/min reductions may drop NaNs. Set XLA_FLAGS to include it before the first JAX use.",
+            f"torch_tpu: JAX started its backends before torch_tpu, so XLA:CPU runs without {missing}: its max/min "
+            "reductions may drop NaNs. Set XLA_FLAGS to include it before the first JAX use.",
             RuntimeWarning, stacklevel=3)
         return
-    os.environ["XLA_FLAGS"] = " ".join([flags] * bool(flags) + [f"--{k}={v}" for k, v in missing.items()])
+    os.environ["XLA_FLAGS"] = f"{flags} {missing}" if flags else missing
 
 
 def configure_jax() -> None:
