@@ -9,7 +9,15 @@ import torch
 
 from torch_tpu import _C, _executor, _runtime, _storage
 from torch_tpu._jax import jax, jnp
+from torch_tpu._profiler import program_name
 from torch_tpu.kernels.registry import direct
+
+
+def _as_dtype(v: Any, dtype: Any) -> Any:
+    """`v` converted to `dtype` as copy_ converts."""
+    if jnp.issubdtype(v.dtype, jnp.complexfloating) and not jnp.issubdtype(dtype, jnp.complexfloating):
+        v = jnp.real(v)  # torch discards the imaginary part (with a warning on CPU)
+    return v.astype(dtype)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -17,9 +25,7 @@ def _convert(shape: tuple[int, ...], dtype: Any) -> Any:
     """Cast to `dtype` and broadcast to `shape`, as copy_ does."""
 
     def convert(v: Any) -> Any:
-        if jnp.issubdtype(v.dtype, jnp.complexfloating) and not jnp.issubdtype(dtype, jnp.complexfloating):
-            v = jnp.real(v)  # torch discards the imaginary part (with a warning on CPU)
-        return jnp.broadcast_to(v.astype(dtype), shape)
+        return jnp.broadcast_to(_as_dtype(v, dtype), shape)
 
     return _executor.jitted(convert, key=(shape, dtype))
 
@@ -63,6 +69,24 @@ def _cast(self: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _C._wrap(_convert(tuple(self.shape), _runtime.jax_dtype(dtype))(val), dtype, self.device.index)
 
 
+def _cast_program(dtype: torch.dtype) -> Any:
+    """The jitted conversion of an array to `dtype` (any shape), which runtime/TpuCast.cpp calls itself under
+    DEFER_NEVER for a tensor viewing its whole computed array: `_cast`'s value for that case, without its Python
+    frames. Its executables are kept in the compile cache like an eager op's (a warm start loads them)."""
+    from torch_tpu import compile_cache
+
+    try:
+        want = _runtime.jax_dtype(dtype)
+    except Exception:  # noqa: BLE001  (a dtype tpu does not hold: `_cast` gives its error)
+        return None
+
+    def cast(v: Any) -> Any:
+        return _as_dtype(v, want)
+
+    cast.__name__ = program_name("_to_copy")  # the XLA program's name, as an eager op's
+    return compile_cache.persistent_jit(cast, repr(("eager-cast", str(dtype))))
+
+
 def _to_host(self: torch.Tensor, reason: str = "to_cpu") -> torch.Tensor:
     """A CPU tensor of its own with the values of tpu tensor `self` (its dtype and shape). aten::_to_copy of a
     contiguous tpu tensor to the CPU with its dtype is this call (runtime/TpuCast.cpp): the download itself is the
@@ -76,7 +100,7 @@ def _to_host(self: torch.Tensor, reason: str = "to_cpu") -> torch.Tensor:
 
 # (as the deferrable direct kernels are installed: under DEFER_NEVER_AND_LAUNCH_BLOCKING the cast is waited for;
 # the C++ kernel reads a computed whole array to the host itself, through `host_array`, and calls `_to_host` else)
-CASTS = (_executor.blocking_after(_cast), _to_host, _runtime.host_array)
+CASTS = (_executor.blocking_after(_cast), _to_host, _runtime.host_array, _cast_program)
 _C._set_casts(*CASTS)
 
 

@@ -6,7 +6,10 @@
 // for the host, a second copy on the CPU. Two forms, of a contiguous strided tensor into a contiguous result, are
 // instead one call of a Python function in kernels/copy.py:
 // - a cast that stays on its tpu device (`_cast`: the storage read, one jitted conversion, the new tensor;
-//   DEFER_AND_FUSE records it like any other op);
+//   DEFER_AND_FUSE records it like any other op). Under DEFER_NEVER, a tensor viewing its whole computed array is
+//   cast here without entering Python code but for the jitted call (`_cast_program`'s, one per target dtype), as
+//   the op table's cache hits are (TpuDispatch.cpp): x.to(torch.bfloat16) of a 2x2 took 32 us through `_cast`
+//   against 10 us for the jitted conversion alone;
 // - a copy to the host with the same dtype (`_to_host`: the download is the result; for the whole of a computed
 //   array, the common case, `to_host_direct` below does it without entering Python but for the read itself).
 // Every other form (a cast to or from the host, no dtype change on tpu, another layout or memory format, pinned
@@ -35,6 +38,21 @@ PyObject* g_cast = nullptr;       // (tensor, dtype) -> tensor: kernels/copy.py'
 PyObject* g_to_host = nullptr;    // (tensor) -> CPU tensor: kernels/copy.py's `_to_host` (owned)
 PyObject* g_host_read = nullptr;  // (device array) -> numpy array: torch_tpu/_runtime.py's `host_array` (owned)
 PyObject* g_item = nullptr;       // (tensor) -> CPU tensor: kernels/copy.py's `_item_host` (owned)
+// (torch.dtype) -> the jitted cast of an array to that dtype, or None: kernels/copy.py's `_cast_program` (owned),
+// asked once per dtype; its answers are kept by ScalarType (Py_None: that dtype always takes `_cast`).
+PyObject* g_cast_program = nullptr;
+PyObject* g_cast_fns[static_cast<int>(c10::ScalarType::NumOptions)] = {};
+
+// The jitted cast to `dtype` (borrowed), or nullptr: `_cast` computes it (with a Python error set: raise it).
+PyObject* cast_program(c10::ScalarType dtype) {
+  PyObject*& fn = g_cast_fns[static_cast<int>(dtype)];
+  if (fn == nullptr) {
+    if (g_cast_program == nullptr) return nullptr;
+    fn = PyObject_CallOneArg(g_cast_program, reinterpret_cast<PyObject*>(torch::getTHPDtype(dtype)));
+    if (fn == nullptr) return nullptr;
+  }
+  return fn == Py_None ? nullptr : fn;
+}
 
 bool keeps_layout(const at::Tensor& self, std::optional<at::Layout> layout, std::optional<bool> pin_memory,
                   std::optional<at::MemoryFormat> memory_format) {
@@ -101,6 +119,14 @@ at::Tensor to_copy_tpu(const at::Tensor& self, std::optional<at::ScalarType> dty
   if (keeps_layout(self, layout, pin_memory, memory_format)) {
     if (g_cast != nullptr && same_device_cast(self, dtype, device)) {
       py::gil_scoped_acquire gil;
+      if (current_mode() == 0 && !g_in_bad_fork) {  // DEFER_NEVER: the whole computed array cast without Python
+        PyObject* fn = cast_program(*dtype);
+        if (fn == nullptr && PyErr_Occurred()) throw python_error();
+        if (fn != nullptr) {
+          at::Tensor out = dispatch_call_unary(fn, self, *dtype, "aten::_to_copy");
+          if (out.defined()) return out;
+        }
+      }
       return call_python(g_cast, self, reinterpret_cast<PyObject*>(torch::getTHPDtype(*dtype)));
     }
     if (g_to_host != nullptr && device.has_value() && device->is_cpu() &&
@@ -142,15 +168,18 @@ void add_cast_methods(py::module_& m) {
   // (None: that form runs ATen's composite too; host_read None: every copy to the host calls `to_host`)
   m.def(
       "_set_casts",
-      [](py::object cast, py::object to_host, py::object host_read) {
+      [](py::object cast, py::object to_host, py::object host_read, py::object cast_program) {
         Py_XDECREF(g_cast);
         Py_XDECREF(g_to_host);
         Py_XDECREF(g_host_read);
+        Py_XDECREF(g_cast_program);
+        for (PyObject*& fn : g_cast_fns) Py_CLEAR(fn);
         g_cast = cast.is_none() ? nullptr : cast.release().ptr();
         g_to_host = to_host.is_none() ? nullptr : to_host.release().ptr();
         g_host_read = host_read.is_none() ? nullptr : host_read.release().ptr();
+        g_cast_program = cast_program.is_none() ? nullptr : cast_program.release().ptr();
       },
-      py::arg("cast"), py::arg("to_host"), py::arg("host_read") = py::none());
+      py::arg("cast"), py::arg("to_host"), py::arg("host_read") = py::none(), py::arg("cast_program") = py::none());
   m.def("_set_item", [](py::object item) {
     Py_XDECREF(g_item);
     g_item = item.release().ptr();

@@ -192,6 +192,26 @@ bool result_meta(PyObject* out, Entry& e, int* st, std::vector<int64_t>* shape) 
   return true;
 }
 
+// A new tpu tensor owning device array `out` (a new reference, consumed) of dtype `stype` and shape `shape`.
+at::Tensor tensor_of(PyObject* out, c10::ScalarType stype, std::vector<int64_t> shape, int device) {
+  int64_t numel = 1;
+  for (int64_t s : shape) numel *= s;
+  size_t nbytes = static_cast<size_t>(numel) * c10::elementSize(stype);
+  c10::Storage storage;
+  try {  // (out of memory: the allocator's limit)
+    storage = make_storage(out, stype, shape, nbytes, static_cast<c10::DeviceIndex>(device));
+  } catch (...) {
+    Py_DECREF(out);
+    throw;
+  }
+  Py_DECREF(out);
+  auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage),
+                                                    c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                                    c10::scalarTypeToTypeMeta(stype));
+  t.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
+  return t;
+}
+
 class EagerKernel final : public c10::OperatorKernel {
  public:
   EagerKernel(std::string name, PyObject* py_kernel, bool inplace)
@@ -408,21 +428,7 @@ class EagerKernel final : public c10::OperatorKernel {
       torch::jit::push(*stack, std::move(result));
       return true;
     }
-    int64_t numel = 1;
-    for (int64_t s : shape) numel *= s;
-    size_t nbytes = static_cast<size_t>(numel) * c10::elementSize(stype);
-    c10::Storage storage;
-    try {  // (out of memory: the allocator's limit)
-      storage = make_storage(out, stype, shape, nbytes, static_cast<c10::DeviceIndex>(device));
-    } catch (...) {
-      Py_DECREF(out);
-      throw;
-    }
-    Py_DECREF(out);
-    auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage),
-                                                      c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
-                                                      c10::scalarTypeToTypeMeta(stype));
-    t.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
+    at::Tensor t = tensor_of(out, stype, std::move(shape), device);
     torch::jit::drop(*stack, nargs);
     torch::jit::push(*stack, std::move(t));
     return true;
@@ -596,5 +602,35 @@ PyMethodDef kDispatchMethods[] = {
 }  // namespace
 
 PyMethodDef* dispatch_methods() { return kDispatchMethods; }
+
+at::Tensor dispatch_call_unary(PyObject* fn, const at::Tensor& self, c10::ScalarType want, const std::string& what) {
+  c10::TensorImpl* impl = self.unsafeGetTensorImpl();
+  int device = -1;
+  PyObject* arr = whole_array(impl, &device);  // (borrowed)
+  if (arr == nullptr) {
+    if (PyErr_Occurred()) throw python_error();  // (resolving a pending value failed)
+    return at::Tensor();
+  }
+  if (!dispatch_is_array(arr)) return at::Tensor();  // a placeholder still pending (DEFER_AND_FUSE's)
+  Py_INCREF(arr);  // (the storage may swap its array while the call runs without the GIL)
+  PyObject* out = PyObject_CallOneArg(fn, arr);
+  Py_DECREF(arr);
+  if (out == nullptr) {
+    translate_oom_error(device, what);
+    throw python_error();
+  }
+  if (!dispatch_collect_if_due()) {
+    Py_DECREF(out);
+    throw python_error();
+  }
+  int st = scalar_type_of_array(out);
+  std::vector<int64_t> shape;
+  if (st != static_cast<int>(want) || !shape_of(out, &shape) || !impl->sizes().equals(shape)) {
+    Py_DECREF(out);  // (not what the cast must give: the caller's Python path decides, with its checks)
+    PyErr_Clear();
+    return at::Tensor();
+  }
+  return tensor_of(out, want, std::move(shape), device);
+}
 
 }  // namespace torch_tpu

@@ -7,6 +7,7 @@
 
 #include <Python.h>
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
@@ -119,6 +120,12 @@ void dispatch_resolve_pending(TpuBuffer* buf);
 bool dispatch_is_array(PyObject* obj);  // a concrete device array (not a placeholder)
 bool dispatch_collect_if_due();
 PyObject* dispatch_dtype_map();
+// `fn(array)` of tpu tensor `self`'s whole computed array (a jitted one-argument program), as a new tpu tensor of
+// dtype `want` and self's shape: the cache-hit path for a kernel outside the op table (a same-device cast). An
+// undefined tensor, with nothing changed, when `self` does not view its whole array, its array is a placeholder
+// still to compute, or the result is not of that dtype and shape; an error of the call is raised (`what` names it
+// in an out-of-memory error).
+at::Tensor dispatch_call_unary(PyObject* fn, const at::Tensor& self, c10::ScalarType want, const std::string& what);
 
 // ---- Python callbacks installed by torch_tpu at import (TpuPython.cpp) ----
 struct Callbacks {

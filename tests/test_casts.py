@@ -159,6 +159,77 @@ def test_result_is_a_new_tensor_and_autograd_flows(calls) -> None:
     assert _kinds(calls, "cast")  # the forward casts and ToCopyBackward's took the one-call form
 
 
+@pytest.fixture
+def programs():
+    """As `calls`, with the C++ kernel's own path under DEFER_NEVER on: ("program", source dtype, dtype, shape)
+    for each cast it ran through `_cast_program`'s jitted conversion (no Python frame of kernels/copy.py), ("cast",
+    ...) for each one it handed to `_cast`."""
+    from torch_tpu import _C
+    from torch_tpu.kernels import copy as copy_kernels
+
+    seen: list[tuple] = []
+
+    def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        seen.append(("cast", t.dtype, dtype))
+        return copy_kernels.CASTS[0](t, dtype)
+
+    def cast_program(dtype: torch.dtype):
+        fn = copy_kernels.CASTS[3](dtype)
+
+        def run(a):
+            seen.append(("program", str(a.dtype), dtype, tuple(a.shape)))
+            return fn(a)
+
+        return run
+
+    _C._set_casts(cast, copy_kernels.CASTS[1], copy_kernels.CASTS[2], cast_program)
+    yield seen
+    _C._set_casts(*copy_kernels.CASTS)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_defer_never_casts_a_whole_array_in_cpp(mode, programs) -> None:
+    """Under DEFER_NEVER a cast of a tensor viewing its whole computed array is the jitted conversion called from
+    C++, bit for bit CPU's value in every pair of dtypes; views, lazy bits and the other modes take `_cast`."""
+    torch.tpu.eager_mode = getattr(EagerMode, mode)
+    n = 0
+    for src in DTYPES:
+        c = _source(src)
+        if src != torch.bool:
+            c = torch.complex(c.real.abs(), c.imag) if src.is_complex else c.abs()  # (see uint8 above)
+        t = c.to("tpu")
+        for dst in DTYPES:
+            if dst != src:
+                got = t.to(dst)
+                assert got.device == torch.device("tpu", 0) and got.dtype == dst and got.shape == c.shape
+                assert got.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+                assert torch.equal(got.cpu(), c.to(dst)), (src, dst)
+                n += 1
+    on = mode == "DEFER_NEVER"
+    assert len(_kinds(programs, "program")) == (n if on else 0)
+    assert len(_kinds(programs, "cast")) == (0 if on else n)
+    programs.clear()
+    v = _source(torch.float32, (4, 6))
+    tv = v.to("tpu")
+    assert torch.equal(tv[1:3].to(torch.bfloat16).cpu(), v[1:3].to(torch.bfloat16))  # a view: `_cast` reads it
+    assert programs == [("cast", torch.float32, torch.bfloat16)]
+    # (a negative view reaches the kernel resolved by ATen's fallback: a whole array, either path)
+    assert torch.equal(torch._neg_view(tv).to(torch.float16).cpu(), torch._neg_view(v).to(torch.float16))
+    # an error of the program is raised as itself, nothing is swallowed
+    if on:
+        from torch_tpu import _C
+        from torch_tpu.kernels import copy as copy_kernels
+
+        def broken(dtype):
+            def run(a):
+                raise ValueError(f"cast to {dtype} failed")
+            return run
+
+        _C._set_casts(copy_kernels.CASTS[0], copy_kernels.CASTS[1], copy_kernels.CASTS[2], broken)
+        with pytest.raises(ValueError, match="cast to torch.float16 failed"):
+            tv.to(torch.float16)
+
+
 def test_defer_and_fuse_records_the_cast() -> None:
     c = _source(torch.float32)
     t = c.to("tpu")
