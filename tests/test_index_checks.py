@@ -171,6 +171,49 @@ def test_item_and_synchronize_are_sync_points() -> None:
     torch.tpu.synchronize()  # reported once
 
 
+def _long_program() -> torch.Tensor:
+    """A (1536, 1536) result of four matmuls: hundreds of milliseconds of XLA:CPU work, dispatched asynchronously."""
+    a = torch.randn(1536, 1536, device="tpu") / 40
+    h = a
+    for _ in range(4):
+        h = h @ a
+    return h
+
+
+@pytest.mark.parametrize("mode", ["DEFER_NEVER", "DEFER_AND_FUSE"])
+def test_a_read_raises_the_errors_of_the_work_behind_its_value(mode: str) -> None:
+    """The read of a value raises the errors of the ops it was computed from, also when it is issued while their
+    program still runs (it waits for the value first, then reads the checks)."""
+    torch.tpu.eager_mode = mode
+    y = _long_program().index_select(0, torch.tensor([0, 1536 + 3], device="tpu"))
+    with pytest.raises(IndexError, match="index 1539 is out of bounds for dimension 0 with size 1536"):
+        y.cpu()
+    z = _long_program().sum(0).index_select(0, torch.tensor([1536 + 5], device="tpu")) * 2
+    with pytest.raises(IndexError, match="index 1541 is out of bounds"):
+        z.sum().item()
+    torch.tpu.synchronize()  # each reported once
+
+
+def test_a_read_leaves_a_running_check_it_does_not_depend_on_pending() -> None:
+    """A check whose program is still running when an unrelated value is read stays pending (the read does not
+    wait for it): a later synchronization point raises it. On XLA:CPU the program runs for hundreds of
+    milliseconds after the read."""
+    torch.tpu.eager_mode = EagerMode.DEFER_NEVER
+    ready = torch.arange(3.0, device="tpu")
+    ready.cpu()
+    torch.tpu.synchronize()
+    _long_program().index_select(0, torch.tensor([1536 + 4], device="tpu"))  # its result dropped, its check kept
+    try:
+        got = ready.cpu()  # (already computed: no program of its own)
+    except IndexError:
+        assert torch.tpu.get_device_name() != "XLA:CPU (cpu)", "the read waited for a program it does not read"
+    else:
+        assert torch.equal(got, torch.arange(3.0)) and _checks.pending_count() >= 1
+        with pytest.raises(IndexError, match="index 1540 is out of bounds for dimension 0 with size 1536"):
+            torch.tpu.synchronize()
+    torch.tpu.synchronize()  # reported once
+
+
 @pytest.mark.parametrize("mode", ["DEFER_NEVER", "DEFER_AND_FUSE", "compile"])
 def test_embedding_forward_backward(mode: str) -> None:
     """A training step with an embedding: out-of-range ids raise; in-range ids give CPU's gradients (the backward

@@ -358,12 +358,15 @@ def host_array(arr: Any) -> np.ndarray:
                         "(resolve an executor's placeholder before reading it)")
     tick, raise_pending = _sync_hooks or _sync_start()
     tick()
-    raise_pending()
     try:
-        return np.asarray(arr)
+        out = np.asarray(arr)
     except RuntimeError:  # PJRT's RESOURCE_EXHAUSTED (of the work that computes it) becomes torch.OutOfMemoryError
         _raise_if_oom(arr)
         raise
+    # Then the checks: every program `arr` depends on has finished now, so their errors are all known; the checks
+    # of programs still running (which `arr` cannot depend on) stay pending for a later synchronization point.
+    raise_pending(computed_only=True)
+    return out
 
 
 def download(arr: Any) -> torch.Tensor:
