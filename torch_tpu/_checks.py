@@ -358,7 +358,8 @@ def _read_flags(arrays: list[Any]) -> Any:
     """The values of the flag arrays: a host copy of each, all started before the first is waited for, so each
     waits only for the program that computed it. (A program stacking them, read in one copy, was 58 against 102 us
     for five ready flags on an idle machine, but it ran after every program queued before it: on XLA:CPU, a read
-    of five ready flags behind a running 90 ms program took 126 ms that way, 0.04 ms copied one by one.)"""
+    of five ready flags behind a running 90 ms program took 126 ms that way, 0.04 ms copied one by one; on a TPU
+    v5e, 5.3 against 0.73 ms behind a 5 ms program, and 0.96 against 0.66 ms with nothing queued.)"""
     for a in arrays:  # (as jax.device_get does, without its Python tree walk: about 50 us per call)
         start = getattr(a, "copy_to_host_async", None)  # (a host value has none)
         if start is not None:
