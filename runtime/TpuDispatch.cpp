@@ -612,8 +612,10 @@ at::Tensor dispatch_call_unary(PyObject* fn, const at::Tensor& self, c10::Scalar
     return at::Tensor();
   }
   if (!dispatch_is_array(arr)) return at::Tensor();  // a placeholder still pending (DEFER_AND_FUSE's)
-  Py_INCREF(arr);  // (the storage may swap its array while the call runs without the GIL)
+  Py_INCREF(arr);  // (the storage may swap its array, and another thread its callable, while the call runs
+  Py_INCREF(fn);   // without the GIL)
   PyObject* out = PyObject_CallOneArg(fn, arr);
+  Py_DECREF(fn);
   Py_DECREF(arr);
   if (out == nullptr) {
     translate_oom_error(device, what);
